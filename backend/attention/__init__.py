@@ -1,0 +1,5 @@
+"""Attention over the paged KV cache: a backend protocol and its implementations."""
+
+from backend.attention.base import AttentionBackend, AttentionMetadata
+
+__all__ = ["AttentionBackend", "AttentionMetadata"]

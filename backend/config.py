@@ -1,0 +1,168 @@
+"""Engine configuration: frozen dataclasses and parsing from config.pbtxt string parameters.
+
+config.pbtxt is the single source of configuration. Its `parameters` map arrives as
+``{name: string_value}``; :func:`parse_engine_config` turns it into an :class:`EngineConfig`,
+rejecting unknown names and bad values with a message that names the parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration parameter is unknown or has a bad value; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model_dir: str
+    tokenizer_dir: str  # defaults to model_dir
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto | torch | cupy
+    max_model_len: int = 2048  # prompt + output tokens of one request
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0: size from kv_cache_memory_mb, or automatically
+    kv_cache_memory_mb: int = 0  # 0: automatic
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_chunked_prefill: bool = True
+    max_queue_len: int = 1024  # waiting requests beyond this are rejected as busy
+    default_max_tokens: int = 128
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+_CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "device": ("auto", "cpu", "cuda"),
+    "attention_backend": ("auto", "torch", "cupy"),
+}
+
+# name -> (section, kind, minimum)
+_PARAMETERS: dict[str, tuple[str, str, int | None]] = {
+    "model_dir": ("model", "path", None),
+    "tokenizer_dir": ("model", "path", None),
+    "dtype": ("model", "choice", None),
+    "device": ("model", "choice", None),
+    "attention_backend": ("model", "choice", None),
+    "max_model_len": ("model", "int", 1),
+    "seed": ("model", "int", 0),
+    "block_size": ("cache", "int", 1),
+    "num_kv_blocks": ("cache", "int", 0),
+    "kv_cache_memory_mb": ("cache", "int", 0),
+    "enable_prefix_caching": ("cache", "bool", None),
+    "max_num_seqs": ("scheduler", "int", 1),
+    "max_num_batched_tokens": ("scheduler", "int", 1),
+    "enable_chunked_prefill": ("scheduler", "bool", None),
+    "max_queue_len": ("scheduler", "int", 0),
+    "default_max_tokens": ("scheduler", "int", 1),
+}
+
+ENGINE_PARAMETER_NAMES = frozenset(_PARAMETERS)
+
+
+def _parse_value(name: str, kind: str, minimum: int | None, raw: str, base_dir: str | None):
+    text = str(raw).strip()
+    if kind == "int":
+        try:
+            value = int(text)
+        except ValueError:
+            raise ConfigError(f"parameter '{name}': expected an integer, got {raw!r}") from None
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"parameter '{name}': must be >= {minimum}, got {value}")
+        return value
+    if kind == "bool":
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"parameter '{name}': expected true or false, got {raw!r}")
+    if kind == "choice":
+        if text not in _CHOICES[name]:
+            raise ConfigError(f"parameter '{name}': expected one of {', '.join(_CHOICES[name])}, got {raw!r}")
+        return text
+    if kind == "path":
+        if not text:
+            raise ConfigError(f"parameter '{name}': must not be empty")
+        if base_dir is not None and not os.path.isabs(text):
+            text = os.path.normpath(os.path.join(base_dir, text))
+        return text
+    raise AssertionError(kind)
+
+
+def parse_engine_config(
+    parameters: dict[str, str], base_dir: str | None = None, extra_names: frozenset[str] = frozenset()
+) -> EngineConfig:
+    """Builds an EngineConfig from string parameters (config.pbtxt's `parameters`).
+
+    Relative paths resolve against ``base_dir`` (the model's folder). Names in ``extra_names`` are
+    accepted and ignored (they belong to the caller). Raises ConfigError naming the parameter.
+    """
+    sections: dict[str, dict] = {"model": {}, "cache": {}, "scheduler": {}}
+    for name, raw in parameters.items():
+        if name in extra_names:
+            continue
+        if name not in _PARAMETERS:
+            known = ", ".join(sorted(_PARAMETERS | dict.fromkeys(extra_names)))
+            raise ConfigError(f"unknown parameter '{name}' (known: {known})")
+        section, kind, minimum = _PARAMETERS[name]
+        sections[section][name] = _parse_value(name, kind, minimum, raw, base_dir)
+    model = sections["model"]
+    if "model_dir" not in model:
+        raise ConfigError("parameter 'model_dir': required")
+    model.setdefault("tokenizer_dir", model["model_dir"])
+    config = EngineConfig(
+        model=ModelConfig(**model),
+        cache=CacheConfig(**sections["cache"]),
+        scheduler=SchedulerConfig(**sections["scheduler"]),
+    )
+    validate_engine_config(config)
+    return config
+
+
+def validate_engine_config(config: EngineConfig) -> None:
+    """Cross-field checks; raises ConfigError naming the parameter."""
+    cache, sched, model = config.cache, config.scheduler, config.model
+    if cache.num_kv_blocks and cache.kv_cache_memory_mb:
+        raise ConfigError("parameters 'num_kv_blocks' and 'kv_cache_memory_mb': set at most one of them")
+    if cache.num_kv_blocks == 1:
+        raise ConfigError("parameter 'num_kv_blocks': needs at least 2 (one is the null block)")
+    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < model.max_model_len:
+        raise ConfigError(
+            "parameter 'max_num_batched_tokens': must be >= max_model_len "
+            f"({model.max_model_len}) when enable_chunked_prefill is false"
+        )
+    if sched.default_max_tokens >= model.max_model_len:
+        raise ConfigError(
+            f"parameter 'default_max_tokens': must be < max_model_len ({model.max_model_len})"
+        )
+
+
+def replace(config, **changes):
+    """dataclasses.replace, re-exported so callers need not import dataclasses."""
+    return dataclasses.replace(config, **changes)
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)

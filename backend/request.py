@@ -1,0 +1,142 @@
+"""A generation request, its sampling parameters and its life-cycle status.
+
+vLLM v1 vocabulary: a request has ``all_token_ids`` (prompt + output); the scheduler advances
+``num_computed_tokens`` towards ``num_tokens`` under one token budget, with no prefill or decode
+phases. A chunk of a prompt is just fewer tokens scheduled this step.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue, its KV blocks freed (recompute)
+    FINISHED_STOPPED = 3  # eos, stop token id or stop string
+    FINISHED_LENGTH = 4  # max_tokens or max_model_len
+    FINISHED_ABORTED = 5  # cancelled by the client or the server
+    FINISHED_ERROR = 6  # can never be scheduled (too long for the model or the pool)
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class FinishReason(str, enum.Enum):
+    """Values of the ``finish_reason`` output tensor."""
+
+    LENGTH = "length"
+    STOP = "stop"  # a stop string or stop token id
+    EOS = "eos"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message names the field."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling settings (vLLM names). temperature 0 means greedy."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop token ids are ignored before this many outputs
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the log-probability of each chosen token
+
+    def validate(self) -> None:
+        """Raises SamplingParamsError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise SamplingParamsError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.min_tokens < 0:
+            raise SamplingParamsError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingParamsError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise SamplingParamsError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {value}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise SamplingParamsError(f"seed must be in [0, 2**64), got {self.seed}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingParamsError("stop must be a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request as the engine tracks it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    all_token_ids: list[int] = field(init=False)  # prompt + output, appended as tokens are sampled
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1: not yet scheduled
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # why a FINISHED_ERROR request could not run
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
