@@ -1,0 +1,54 @@
+# One-command setup, serve and test. Everything installs into .venv; nothing by hand.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
+EXTRAS ?= dev
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean
+
+setup: $(STAMP) system-deps demo-model
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Re-installs only when pyproject.toml changes (the stamp carries its hash).
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install --upgrade --quiet "pip>=24"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.setup-*
+	touch $(STAMP)
+
+# perf_analyzer (from the tritonclient wheel) links Debian's libb64.
+system-deps:
+	@if command -v dpkg >/dev/null && ! dpkg -s libb64-0d >/dev/null 2>&1; then \
+		if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+			echo "installing libb64-0d (perf_analyzer needs it)"; \
+			(apt-get update -qq && apt-get install -y -qq libb64-0d) >/dev/null || echo "warning: libb64-0d could not be installed"; \
+		else echo "note: libb64-0d missing and apt-get unavailable: perf_analyzer will not run"; fi; \
+	fi
+
+demo-model: $(STAMP)
+	@$(PY) -m backend.demo_model
+
+serve: setup
+	$(PY) -m backend.launcher
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+test-kernels: setup
+	$(PY) -m pytest tests/kernels $(PYTEST_ARGS)
+
+test-integration: setup
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check backend client tests perf
+
+clean:
+	rm -rf build .pytest_cache .ruff_cache

@@ -1,0 +1,156 @@
+"""Builds the demo model: a small random-weight Llama and a byte-level BPE tokenizer, offline.
+
+No weights can be downloaded where this runs, so the demo model is made locally and
+deterministically: the same inputs give byte-identical files. The tokenizer is trained on
+``data/demo_corpus.txt`` (shipped with the repository); the weights come from a fixed seed with an
+initialisation scaled so that logits are peaked (random weights otherwise give near-ties that make
+greedy decoding flip on rounding noise).
+
+Usage: ``python -m backend.demo_model [--out models/demo-llama] [--force]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "models" / "demo-llama"
+CORPUS = REPO_ROOT / "data" / "demo_corpus.txt"
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
+BUILD_INFO = "build_info.json"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoModelSpec:
+    """What the demo model is; part of build_info.json, so a changed spec triggers a rebuild."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 512
+    intermediate_size: int = 1408
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2  # GQA ratio 4
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.1  # peaked logits: greedy parity without near-ties
+    seed: int = 1234
+    builder_version: int = 1
+
+
+def train_tokenizer(vocab_size: int, model_max_length: int, corpus: Path = CORPUS):
+    """A byte-level BPE tokenizer (bos/eos/pad) trained on the shipped corpus; returns a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = corpus.read_text(encoding="utf-8")
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    tokenizer.train_from_iterator(paragraphs, trainer=trainer, length=len(paragraphs))
+    bos_id = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        model_max_length=model_max_length,
+    )
+
+
+def build_model(spec: DemoModelSpec):
+    """The random-weight LlamaForCausalLM of ``spec`` (deterministic for a given seed)."""
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta,
+        initializer_range=spec.initializer_range,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+    model.eval()
+    return model
+
+
+def files_digest(folder: Path) -> dict[str, str]:
+    """sha256 of every file in ``folder`` (the determinism check compares these)."""
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+def build(out: Path = DEFAULT_OUT, spec: DemoModelSpec = DemoModelSpec(), force: bool = False) -> Path:
+    """Writes the demo model into ``out`` unless an identical build is already there."""
+    out = Path(out)
+    info = {"spec": asdict(spec), "corpus_sha256": hashlib.sha256(CORPUS.read_bytes()).hexdigest()}
+    info_path = out / BUILD_INFO
+    if not force and info_path.exists():
+        try:
+            if json.loads(info_path.read_text())["spec"] == info["spec"] and (out / "model.safetensors").exists():
+                return out
+        except (ValueError, KeyError):
+            pass
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".demo-llama-", dir=out.parent))
+    try:
+        print(f"building demo model into {out} (tokenizer, then weights)...", flush=True)
+        tokenizer = train_tokenizer(spec.vocab_size, spec.max_position_embeddings)
+        tokenizer.save_pretrained(staging)
+        model = build_model(spec)
+        model.generation_config.do_sample = False
+        model.save_pretrained(staging, safe_serialization=True)
+        info_path_staging = staging / BUILD_INFO
+        info_path_staging.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"demo model ready: {out} ({num_params / 1e6:.1f}M parameters)", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backend.demo_model", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
+    args = parser.parse_args(argv)
+    build(args.out, force=args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
