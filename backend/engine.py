@@ -1,0 +1,368 @@
+"""The engine: add requests, abort them, and step; no threads and no Triton.
+
+One ``step()`` schedules this iteration's tokens under one budget (running requests first, then
+waiting ones, prompts chunked), runs one forward over the flattened batch, samples, detokenizes
+incrementally and checks stop conditions. Triton's glue (backend/triton) drives it from a thread;
+``generate()`` drives it offline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.config import EngineConfig
+from backend.detokenizer import IncrementalDetokenizer
+from backend.kv_cache.manager import KVCacheManager
+from backend.request import FinishReason, Request, RequestStatus, SamplingParams
+from backend.sampler import Sampler
+from backend.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot take; the message names the field."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: new tokens, their text, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # the new text (a delta); on the final output also any held-back text
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None
+    logprobs: list[float] | None = None
+    prompt_token_ids: list[int] | None = None  # a reference, not a copy: do not modify
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable blocks referenced by requests
+    num_kv_blocks: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """The whole result of one request from ``generate()``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    error: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise EngineInputError("parameter 'device': cuda requested but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
+    """auto: float32 on the CPU (fastest there without AMX); the checkpoint's dtype on GPUs, fp32 -> bf16."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = getattr(torch, checkpoint, None)
+    if checkpoint in (None, torch.float32):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return checkpoint
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache (see module docstring)."""
+
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        from backend.attention.selector import get_attention_backend  # noqa: PLC0415
+        from backend.model_runner import ModelRunner, allocate_kv_caches, kv_cache_bytes_per_block  # noqa: PLC0415
+        from backend.models.llama import load_model  # noqa: PLC0415
+
+        self.config = config
+        model_config = config.model
+        torch.manual_seed(model_config.seed)
+        self.device = resolve_device(model_config.device)
+        if not os.path.isdir(model_config.model_dir):
+            raise EngineInputError(f"parameter 'model_dir': {model_config.model_dir} is not a folder")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer_dir)
+        from transformers import AutoConfig  # noqa: PLC0415
+
+        probe_config = AutoConfig.from_pretrained(model_config.model_dir)
+        self.dtype = resolve_dtype(model_config.dtype, self.device, probe_config)
+        self.model, self.hf_config = load_model(model_config.model_dir, self.dtype, self.device)
+        self.max_model_len = model_config.max_model_len
+        self.eos_token_id = self._eos_token_id()
+
+        block_size = config.cache.block_size
+        self.num_kv_blocks = self._num_kv_blocks(kv_cache_bytes_per_block(self.hf_config, block_size, self.dtype))
+        head_size = getattr(self.hf_config, "head_dim", None) or (
+            self.hf_config.hidden_size // self.hf_config.num_attention_heads
+        )
+        kv_caches = allocate_kv_caches(
+            self.hf_config.num_hidden_layers, self.num_kv_blocks, block_size,
+            self.hf_config.num_key_value_heads, head_size, self.dtype, self.device,
+        )
+        self.attention_backend = get_attention_backend(model_config.attention_backend, self.device)
+        self.model_runner = ModelRunner(
+            self.model, self.hf_config, kv_caches, block_size, self.device,
+            attention_backend=self.attention_backend,
+        )
+        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        logger.info(
+            "engine ready: device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens",
+            self.device, self.dtype, getattr(self.attention_backend, "name", "?"), self.num_kv_blocks, block_size,
+        )
+
+    # ----------------------------------------------------------------------------- set-up helpers
+    def _eos_token_id(self) -> int | None:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return eos
+
+    def _num_kv_blocks(self, bytes_per_block: int) -> int:
+        """num_kv_blocks, else kv_cache_memory_mb, else automatic (GPU: 85% of free; CPU: up to 2 GiB)."""
+        cache = self.config.cache
+        if cache.num_kv_blocks:
+            return cache.num_kv_blocks
+        if cache.kv_cache_memory_mb:
+            budget = cache.kv_cache_memory_mb * 2**20
+        elif self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.85)
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(2 * 2**30, available // 4)
+        # More blocks than every sequence at full length can use would only waste memory.
+        useful = self.config.scheduler.max_num_seqs * -(-self.max_model_len // cache.block_size) + 1
+        num_blocks = min(budget // bytes_per_block, useful)
+        if num_blocks < 2:
+            raise EngineInputError("parameter 'kv_cache_memory_mb': too small for one KV block")
+        return int(num_blocks)
+
+    # ----------------------------------------------------------------------------- requests
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queues a request; raises EngineInputError naming the field when it can never run."""
+        if request_id in self.requests:
+            raise EngineInputError(f"request id {request_id!r} is already in use")
+        params = sampling_params or SamplingParams(max_tokens=self.config.scheduler.default_max_tokens)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise EngineInputError(str(exc)) from None
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise EngineInputError("text_input: a prompt is required")
+            prompt_token_ids = self.tokenize(prompt)
+        if not prompt_token_ids:
+            raise EngineInputError("text_input: the prompt is empty and the tokenizer adds no BOS token")
+        vocab = self.hf_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise EngineInputError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise EngineInputError(
+                f"text_input: the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
+                f"{self.max_model_len} (prompt + output)"
+            )
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise EngineInputError(
+                f"max_tokens: {params.max_tokens} plus the prompt's {len(prompt_token_ids)} tokens "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        request = Request(
+            request_id, list(prompt_token_ids), params, eos_token_id=self.eos_token_id,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        self.requests[request_id] = request
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, stop=list(params.stop)
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Aborts a request (frees its blocks); returns its final output, or None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.finish_reason = FinishReason.ABORT
+        return self._final_output(request, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def stats(self) -> EngineStats:
+        manager = self.kv_cache_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=manager.usage,
+            num_kv_blocks=self.num_kv_blocks,
+            prefix_cache_queries=manager.prefix_queries,
+            prefix_cache_hits=manager.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ----------------------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, forward, sample, detokenize, stop checks."""
+        scheduler_output = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        for request in scheduler_output.rejected:
+            request.finish_reason = FinishReason.ERROR
+            outputs.append(self._final_output(request, [], ""))
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return outputs
+        logits, rows = self.model_runner.execute(scheduled)
+        if not rows:
+            return outputs
+        sampling_requests = [scheduled[i].request for i in rows]
+        sampled = self.sampler(logits, sampling_requests)
+        now = time.monotonic()
+        for index, request in enumerate(sampling_requests):
+            token_id = sampled.token_ids[index]
+            request.append_output_token(token_id)
+            if sampled.logprobs is not None and request.sampling_params.logprobs:
+                request.output_logprobs.append(sampled.logprobs[index])
+            if request.first_token_time is None:
+                request.first_token_time = now
+            detokenizer = self.detokenizers[request.request_id]
+            text = detokenizer.update([token_id])
+            reason = self._stop_reason(request, token_id, detokenizer)
+            if reason is None:
+                outputs.append(self._output(request, [token_id], text))
+                continue
+            status = RequestStatus.FINISHED_LENGTH if reason is FinishReason.LENGTH else RequestStatus.FINISHED_STOPPED
+            self.scheduler.finish_request(request, status, reason)
+            outputs.append(self._final_output(request, [token_id], text))
+        return outputs
+
+    def _stop_reason(self, request: Request, token_id: int, detokenizer: IncrementalDetokenizer) -> FinishReason | None:
+        params = request.sampling_params
+        if detokenizer.stop_matched is not None:
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return FinishReason.EOS
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, request: Request, new_token_ids: list[int], text: str) -> RequestOutput:
+        logprobs = None
+        if request.sampling_params.logprobs and new_token_ids:
+            logprobs = request.output_logprobs[-len(new_token_ids):]
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            text=text,
+            finished=False,
+            finish_reason=None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            logprobs=logprobs,
+            prompt_token_ids=request.prompt_token_ids,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+        )
+
+    def _final_output(self, request: Request, new_token_ids: list[int], text: str) -> RequestOutput:
+        """The request's last output: flushes held-back text and forgets the request."""
+        detokenizer = self.detokenizers.pop(request.request_id, None)
+        if detokenizer is not None and request.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
+            text += detokenizer.finish()
+        self.requests.pop(request.request_id, None)
+        self.sampler.free(request.request_id)
+        output = self._output(request, new_token_ids, text)
+        output.finished = True
+        output.finish_reason = request.finish_reason
+        output.error = request.error
+        return output
+
+    # ----------------------------------------------------------------------------- offline use
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Runs prompts (text or token ids) to completion together; results in prompt order."""
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        results: dict[str, GenerationResult] = {}
+        order = []
+        for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            request_id = f"generate-{index}-{time.monotonic_ns()}"
+            if isinstance(prompt, str):
+                request = self.add_request(request_id, prompt=prompt, sampling_params=params)
+            else:
+                request = self.add_request(request_id, prompt_token_ids=list(prompt), sampling_params=params)
+            order.append(request_id)
+            results[request_id] = GenerationResult(request_id, list(request.prompt_token_ids), [], "", None)
+        while self.has_unfinished_requests():
+            for output in self.step():
+                result = results.get(output.request_id)
+                if result is None:
+                    continue
+                result.output_token_ids.extend(output.new_token_ids)
+                result.text += output.text
+                if output.logprobs:
+                    result.logprobs.extend(output.logprobs)
+                if output.finished:
+                    result.finish_reason = output.finish_reason
+                    result.error = output.error
+        return [results[request_id] for request_id in order]

@@ -1,0 +1,84 @@
+"""Prometheus metrics on Triton's own /metrics endpoint, through pb_utils.MetricFamily.
+
+Names and definitions follow DESIGN.md (vLLM's metrics design): TTFT = submission to the first
+token sent; ITL = gap between tokens sent; TPOT = (e2e - TTFT) / (output tokens - 1). Every family
+object is kept referenced for the model's lifetime: a dropped family makes later calls fail.
+"""
+
+from __future__ import annotations
+
+from backend.engine import EngineStats
+
+LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                   0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+FINISH_REASONS = ("length", "stop", "eos", "abort", "error")
+
+
+class TritonMetrics:
+    """Owns the metric families and metrics of one model instance."""
+
+    def __init__(self, pb_utils, model_name: str):
+        labels = {"model": model_name}
+        family = pb_utils.MetricFamily
+        self._families = []
+
+        def make(name, description, kind, buckets=None, extra_labels=None):
+            fam = family(name=name, description=description, kind=kind)
+            self._families.append(fam)
+            metric_labels = dict(labels, **(extra_labels or {}))
+            if buckets is None:
+                return fam, fam.Metric(labels=metric_labels)
+            return fam, fam.Metric(labels=metric_labels, buckets=buckets)
+
+        H, C, G = family.HISTOGRAM, family.COUNTER, family.GAUGE
+        _, self.ttft = make("llm_time_to_first_token_seconds", "Time from submission to the first token", H, LATENCY_BUCKETS)
+        _, self.itl = make("llm_inter_token_latency_seconds", "Gap between streamed tokens", H, LATENCY_BUCKETS)
+        _, self.tpot = make("llm_time_per_output_token_seconds", "(e2e - TTFT) / (output tokens - 1)", H, LATENCY_BUCKETS)
+        _, self.e2e = make("llm_e2e_request_latency_seconds", "Submission to the final response", H, LATENCY_BUCKETS)
+        _, self.queue_time = make("llm_request_queue_time_seconds", "Submission to first scheduling", H, LATENCY_BUCKETS)
+        _, self.prompt_tokens_hist = make("llm_request_prompt_tokens", "Prompt tokens per request", H, TOKEN_BUCKETS)
+        _, self.generation_tokens_hist = make("llm_request_generation_tokens", "Output tokens per request", H, TOKEN_BUCKETS)
+        _, self.prompt_tokens = make("llm_prompt_tokens_total", "Prompt tokens of requests that produced a token", C)
+        _, self.generation_tokens = make("llm_generation_tokens_total", "Output tokens sent to clients", C)
+        success_family = family(name="llm_request_success_total", description="Finished requests by finish reason", kind=C)
+        self._families.append(success_family)
+        self.success = {reason: success_family.Metric(labels=dict(labels, finish_reason=reason)) for reason in FINISH_REASONS}
+        _, self.preemptions = make("llm_num_preemptions_total", "Requests preempted (recompute)", C)
+        _, self.prefix_queries = make("llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", C)
+        _, self.prefix_hits = make("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache", C)
+        _, self.running = make("llm_num_requests_running", "Requests in the running batch", G)
+        _, self.waiting = make("llm_num_requests_waiting", "Requests waiting to be scheduled", G)
+        _, self.kv_usage = make("llm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", G)
+        self._last_stats: EngineStats | None = None
+
+    def update_engine_stats(self, stats: EngineStats) -> None:
+        """Gauges are set; counters grow by the change since the last update."""
+        last = self._last_stats
+        if last is None or stats.num_running != last.num_running:
+            self.running.set(stats.num_running)
+        if last is None or stats.num_waiting != last.num_waiting:
+            self.waiting.set(stats.num_waiting)
+        if last is None or stats.kv_cache_usage != last.kv_cache_usage:
+            self.kv_usage.set(stats.kv_cache_usage)
+        if last is not None:
+            for metric, now, before in (
+                (self.preemptions, stats.num_preemptions, last.num_preemptions),
+                (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+                (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+            ):
+                if now > before:
+                    metric.increment(now - before)
+        else:
+            for metric, now in (
+                (self.preemptions, stats.num_preemptions),
+                (self.prefix_queries, stats.prefix_cache_queries),
+                (self.prefix_hits, stats.prefix_cache_hits),
+            ):
+                if now:
+                    metric.increment(now)
+        self._last_stats = stats
+
+    def close(self) -> None:
+        self.success.clear()
+        self._families.clear()
