@@ -1,0 +1,187 @@
+"""Streaming generation over tritonclient gRPC: one request, its responses, and their timing.
+
+Used by ``python -m client.generate``, the load generator and the integration tests, so all of them
+read responses the same way: text deltas, token ids, exactly one final response (Triton's
+``triton_final_response`` parameter, with empty final responses enabled).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+
+@dataclass(slots=True)
+class StreamResult:
+    """Everything one request produced, with client-side timing (seconds, monotonic clock)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    error: str | None = None
+    num_responses: int = 0  # responses that carried data
+    num_final: int = 0  # responses flagged final (exactly one when all is well)
+    start_time: float = 0.0
+    first_token_time: float | None = None
+    end_time: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # arrival of each response with tokens
+    deltas: list[str] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.start_time
+
+
+def build_inputs(prompt: str, **options) -> list[grpcclient.InferInput]:
+    """The `llm` model's input tensors; options use DESIGN.md's input names (None: not sent)."""
+    kinds = {
+        "max_tokens": np.int32, "min_length": np.int32, "top_k": np.int32,
+        "temperature": np.float32, "top_p": np.float32, "random_seed": np.uint64,
+        "stream": bool, "ignore_eos": bool, "exclude_input_in_output": bool,
+    }
+    arrays: dict[str, np.ndarray] = {"text_input": np.array([[prompt.encode("utf-8")]], dtype=np.object_)}
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name == "stop_words":
+            arrays[name] = np.array([[w.encode("utf-8") for w in value]], dtype=np.object_)
+        elif name == "sampling_parameters":
+            text = value if isinstance(value, str) else json.dumps(value)
+            arrays[name] = np.array([[text.encode("utf-8")]], dtype=np.object_)
+        elif name == "text_input_bytes":  # raw bytes, e.g. to send invalid UTF-8 on purpose
+            arrays["text_input"] = np.array([[value]], dtype=np.object_)
+        elif name in kinds:
+            arrays[name] = np.array([[value]], dtype=kinds[name])
+        else:
+            raise ValueError(f"unknown input {name!r}")
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def _read_response(result: StreamResult, response, now: float) -> None:
+    raw = response.get_response()
+    is_final = raw.parameters["triton_final_response"].bool_param if "triton_final_response" in raw.parameters else False
+    if is_final:
+        result.num_final += 1
+    names = {output.name for output in raw.outputs}
+    if "text_output" not in names:
+        return  # an empty final response
+    result.num_responses += 1
+    text = b"".join(response.as_numpy("text_output").reshape(-1)).decode("utf-8")
+    ids = response.as_numpy("output_ids").reshape(-1).tolist() if "output_ids" in names else []
+    result.text += text
+    result.deltas.append(text)
+    result.token_ids.extend(ids)
+    if ids:
+        result.token_times.append(now)
+        if result.first_token_time is None:
+            result.first_token_time = now
+    if "finish_reason" in names:
+        reason = response.as_numpy("finish_reason").reshape(-1)
+        if reason.size and reason[0]:
+            result.finish_reason = reason[0].decode()
+    if "num_input_tokens" in names:
+        result.num_input_tokens = int(response.as_numpy("num_input_tokens").reshape(-1)[0])
+    if "num_output_tokens" in names:
+        result.num_output_tokens = int(response.as_numpy("num_output_tokens").reshape(-1)[0])
+
+
+class StreamingClient:
+    """One gRPC stream to the server; runs requests one after another or several at once."""
+
+    def __init__(self, url: str, model_name: str = "llm"):
+        self.url = url
+        self.model_name = model_name
+        self.client = grpcclient.InferenceServerClient(url=url)
+        self._responses: queue.SimpleQueue = queue.SimpleQueue()
+        self.client.start_stream(callback=lambda result, error: self._responses.put((time.monotonic(), result, error)))
+
+    def close(self, cancel_requests: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel_requests)
+        self.client.close()
+
+    def __enter__(self) -> StreamingClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def send(self, prompt: str, request_id: str | None = None, **options) -> str:
+        """Starts one request on the stream; returns its id."""
+        request_id = request_id or uuid.uuid4().hex
+        self.client.async_stream_infer(
+            self.model_name, build_inputs(prompt, **options), request_id=request_id,
+            enable_empty_final_response=True,
+        )
+        return request_id
+
+    def collect(self, request_ids: list[str], start_times: dict[str, float], timeout: float = 300.0,
+                on_response=None) -> dict[str, StreamResult]:
+        """Reads responses until every request got its final one (or raises TimeoutError)."""
+        results = {rid: StreamResult(start_time=start_times[rid]) for rid in request_ids}
+        pending = set(request_ids)
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{len(pending)} requests got no final response within {timeout:.0f} s")
+            try:
+                now, response, error = self._responses.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if error is not None:
+                rid = _error_request_id(error, pending)
+                if rid is None:
+                    raise RuntimeError(f"stream error for an unknown request: {error}")
+                results[rid].error = _error_message(error)
+                results[rid].num_final += 1  # Triton ends a request with its error
+                results[rid].end_time = now
+                pending.discard(rid)
+                continue
+            rid = response.get_response().id
+            if rid not in results:
+                continue
+            result = results[rid]
+            _read_response(result, response, now)
+            if on_response is not None:
+                on_response(rid, result)
+            if result.num_final and rid in pending:
+                result.end_time = now
+                pending.discard(rid)
+        return results
+
+    def generate(self, prompt: str, timeout: float = 300.0, **options) -> StreamResult:
+        start = time.monotonic()
+        rid = self.send(prompt, **options)
+        return self.collect([rid], {rid: start}, timeout)[rid]
+
+
+def _error_message(error) -> str:
+    if isinstance(error, InferenceServerException):
+        return error.message()
+    return str(error)
+
+
+def _error_request_id(error, pending: set[str]) -> str | None:
+    """tritonclient reports stream errors without the response; find the request they belong to."""
+    request_id = getattr(error, "request_id", None)
+    if callable(request_id):
+        request_id = request_id()
+    if request_id in pending:
+        return request_id
+    if len(pending) == 1:
+        return next(iter(pending))
+    return None

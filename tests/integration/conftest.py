@@ -1,0 +1,64 @@
+"""Real tritonserver fixtures: started by our launcher on free ports, always stopped.
+
+``triton_server`` serves the repository's own model_repository for the whole session.
+``make_model_repository`` writes a copy of model_repository/llm with changed parameters, for
+tests that need a tiny KV pool, a short queue and so on.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from backend.launcher import start_server
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+
+
+def write_model_repository(dest: Path, demo_model_dir: Path, overrides: dict[str, str] | None = None,
+                           models: tuple[str, ...] = ("llm",)) -> Path:
+    """Copies the named models into ``dest`` with absolute model paths and overridden parameters."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in models:
+        shutil.copytree(MODEL_REPOSITORY / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        config_path = dest / name / "config.pbtxt"
+        text = config_path.read_text()
+        values = {"model_dir": str(demo_model_dir), "tokenizer_dir": str(demo_model_dir), **(overrides or {})}
+        for key, value in values.items():
+            pattern = re.compile(r'(\{ key: "' + re.escape(key) + r'" value: \{ string_value: ")[^"]*("\s*\} \})')
+            if pattern.search(text):
+                text = pattern.sub(lambda m, v=value: m.group(1) + v + m.group(2), text)
+            else:
+                text = text.replace("parameters [\n", f'parameters [\n  {{ key: "{key}" value: {{ string_value: "{value}" }} }},\n', 1)
+        config_path.write_text(text)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def triton_server(demo_model_dir):
+    server = start_server(MODEL_REPOSITORY, ready_timeout=300)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture()
+def make_server(tmp_path, demo_model_dir):
+    """Starts servers on custom model repositories; all are stopped after the test."""
+    servers = []
+
+    def make(overrides: dict[str, str] | None = None, extra_args: list[str] | None = None,
+             models: tuple[str, ...] = ("llm",), wait: bool = True):
+        repo = write_model_repository(tmp_path / f"repo{len(servers)}", demo_model_dir, overrides, models)
+        server = start_server(repo, extra_args=extra_args, wait=wait, ready_timeout=300)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
