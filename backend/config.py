@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 
@@ -166,3 +167,23 @@ def replace(config, **changes):
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return math.ceil(num_tokens / block_size)
+
+
+_PBTXT_PARAMETER = re.compile(r'key\s*:\s*"([^"]+)"\s*value\s*:\s*\{\s*string_value\s*:\s*"((?:[^"\\]|\\.)*)"\s*\}')
+
+
+def parameters_from_pbtxt(text: str) -> dict[str, str]:
+    """The `parameters` entries of a config.pbtxt (``{ key: "k" value: { string_value: "v" } }``).
+
+    Enough protobuf text format for our own files, so offline tools and tests can build the very
+    engine a server would, without Triton.
+    """
+    return {key: value for key, value in _PBTXT_PARAMETER.findall(text)}
+
+
+def engine_config_from_model_folder(model_folder: str, **overrides: str) -> EngineConfig:
+    """The EngineConfig a server would build from ``model_folder/config.pbtxt`` (plus overrides)."""
+    with open(os.path.join(model_folder, "config.pbtxt"), encoding="utf-8") as handle:
+        parameters = parameters_from_pbtxt(handle.read())
+    parameters.update(overrides)
+    return parse_engine_config(parameters, base_dir=os.path.abspath(model_folder))
