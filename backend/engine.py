@@ -136,7 +136,7 @@ class LLMEngine:
         )
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager)
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed=model_config.seed)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         logger.info(
