@@ -1,0 +1,171 @@
+"""Per-request KV cache bookkeeping on top of the block pool: prefix hits, slot allocation, freeing.
+
+Each request owns a block table (``req_to_blocks[request_id]``): block i holds the KV of tokens
+``i * block_size .. (i + 1) * block_size - 1`` of ``request.all_token_ids``. With prefix caching,
+the table starts with blocks shared with earlier requests (a hit), and every block that becomes
+full of known tokens is hashed (chained to its parent's hash) and registered for later requests.
+
+Same-step hits (invariant the attention backends must keep): a block is hashed when it is
+allocated, before its KV is computed, so another request scheduled in the same step may hit it.
+That is safe because every backend writes all new K/V of the step into the cache before any query
+attends. It also means every scheduled step must be executed (see ``allocate_slots``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from backend.kv_cache.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from backend.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates and frees block tables for requests; finds and registers cached prefix blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Hashes of the request's full blocks, computed once (tokens never change once known).
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        # How many leading blocks of the request were already considered for caching.
+        self.num_cached_block: dict[str, int] = {}
+
+    # ----- counters -----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        """All blocks, the null block included."""
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def prefix_queries(self) -> int:
+        """Tokens looked up in the prefix cache so far (cumulative)."""
+        return self.block_pool.prefix_queries
+
+    @property
+    def prefix_hits(self) -> int:
+        """Tokens found in the prefix cache so far (cumulative)."""
+        return self.block_pool.prefix_hits
+
+    # ----- hashing ------------------------------------------------------------------------------
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+        """The request's block hashes, extended to at least ``num_full_blocks`` entries."""
+        hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
+        token_ids, size = request.all_token_ids, self.block_size
+        for i in range(len(hashes), num_full_blocks):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, token_ids[i * size : (i + 1) * size]))
+        return hashes
+
+    # ----- prefix hits --------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest chain of cached full blocks for ``request.all_token_ids`` and its length in
+        tokens. Takes no references (``allocate_slots`` does). Counts one prefix query.
+
+        Trap: a full hit would leave nothing to compute (and nothing to sample from), so at most
+        ``num_tokens - 1`` tokens are a hit: the last block is dropped when needed.
+        """
+        if not self.enable_caching:
+            return [], 0
+        size = self.block_size
+        max_num_blocks = (request.num_tokens - 1) // size
+        hashes = self._block_hashes(request, max_num_blocks)
+        token_ids = request.all_token_ids
+        blocks: list[KVCacheBlock] = []
+        for i in range(max_num_blocks):
+            block = self.block_pool.get_cached_block(
+                hashes[i - 1] if i else None, token_ids[i * size : (i + 1) * size], hashes[i]
+            )
+            if block is None:
+                break
+            blocks.append(block)
+        num_hit_tokens = len(blocks) * size
+        self.block_pool.prefix_queries += request.num_tokens
+        self.block_pool.prefix_hits += num_hit_tokens
+        return blocks, num_hit_tokens
+
+    # ----- allocation ---------------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+    ) -> list[KVCacheBlock] | None:
+        """Makes room for ``num_new_tokens`` more tokens after the computed ones (and after the
+        prefix hit ``new_computed_blocks``, which this references). Returns the newly allocated
+        blocks, or None, changing nothing, when the pool cannot provide them.
+
+        Blocks that become full of known tokens are registered in the prefix cache right away:
+        the caller must run the step it schedules (their KV is written during that step).
+        """
+        request_id = request.request_id
+        req_blocks = self.req_to_blocks.get(request_id, [])
+        if new_computed_blocks and (req_blocks or request.num_computed_tokens):
+            raise ValueError(f"request {request_id}: a prefix hit must start an empty block table")
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required_blocks = _cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(num_required_blocks - len(req_blocks) - len(new_computed_blocks), 0)
+        # Free cached blocks the hit takes back leave the free queue: they are not available.
+        num_hit_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_hit_free:
+            return None
+
+        # Touch the hit first so get_new_blocks cannot evict it.
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        req_blocks.extend(new_computed_blocks)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            num_known_tokens = min(num_computed + num_new_tokens, request.num_tokens)
+            self._cache_full_blocks(request, req_blocks, num_known_tokens // self.block_size)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_full: int) -> None:
+        request_id = request.request_id
+        start = self.num_cached_block.get(request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        token_ids, size = request.all_token_ids, self.block_size
+        for i in range(start, num_full):
+            block = req_blocks[i]
+            if block.block_hash is not None:  # a prefix hit: already cached
+                continue
+            # Trap: cache a block only when its parent block is cached, so a cached block's
+            # parent is always the table's entry for the parent hash (see BlockPool.cache_full_block).
+            if i and req_blocks[i - 1].block_hash != hashes[i - 1]:
+                continue
+            self.block_pool.cache_full_block(
+                block, hashes[i - 1] if i else None, token_ids[i * size : (i + 1) * size], hashes[i]
+            )
+        self.num_cached_block[request_id] = num_full
+
+    # ----- freeing ------------------------------------------------------------------------------
+    def free(self, request: Request) -> None:
+        """Frees the request's blocks, tail first (so its prefix stays cached longest)."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.req_to_block_hashes.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids (a new list)."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> None:
+        self.block_pool.reset_prefix_cache()

@@ -1,0 +1,251 @@
+"""The scheduler: which tokens of which requests run in the next step (vLLM v1 semantics).
+
+There are no prefill or decode phases. Each request has ``num_computed_tokens`` out of
+``num_tokens`` (prompt + outputs so far); a step gives each scheduled request
+``num_new_tokens = num_tokens - num_computed_tokens`` tokens, capped by one token budget
+(``max_num_batched_tokens``) shared by all requests, and at most ``max_num_seqs`` requests run.
+A long prompt is therefore chunked over several steps (chunked prefill) and a decode is one token.
+
+Order: running requests first, in admission order; when the pool runs out of blocks the newest
+running request is preempted (recompute: its blocks are freed and it goes to the front of the
+waiting queue). Then waiting requests are admitted in arrival order (preempted ones first) while
+budget, sequence slots and blocks last; admission never skips ahead of a request that does not fit.
+
+No deadlock: requests that could never fit (longer than ``max_model_len``, needing more blocks
+than the pool has, or, without chunked prefill, a prompt over the budget) are rejected up front,
+so the oldest running request always fits once everything newer is preempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from backend.config import CacheConfig, SchedulerConfig, blocks_for_tokens
+from backend.kv_cache.manager import KVCacheManager
+from backend.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens ``num_computed_tokens .. + num_new_tokens - 1``."""
+
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int  # snapshot BEFORE this step (the request's counter is already advanced)
+    block_ids: list[int]  # the whole block table after this step's allocation
+
+    @property
+    def is_last_chunk(self) -> bool:
+        """True when this step reaches the end of the known tokens: the engine samples then."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Running requests first, then newly admitted ones, in scheduling order.
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)  # this step; now waiting again
+    # Finished at once with FINISHED_ERROR and request.error set (since the previous step).
+    rejected: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; the engine drives it once per step."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        kv_cache_manager: KVCacheManager,
+    ) -> None:
+        if cache_config.block_size != kv_cache_manager.block_size:
+            raise ValueError(
+                f"block_size mismatch: cache_config {cache_config.block_size}, "
+                f"kv_cache_manager {kv_cache_manager.block_size}"
+            )
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}  # waiting or running
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._rejected: list[Request] = []  # reported by the next schedule()
+        self.num_preemptions = 0  # total since start
+
+    # ----- queue state --------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while requests wait or run, or rejected ones wait to be reported by schedule()."""
+        return bool(self.running or self.waiting or self._rejected)
+
+    # ----- admission, abort, finish -------------------------------------------------------------
+    def _rejection_reason(self, request: Request) -> str | None:
+        num_prompt = request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        total = num_prompt + max_tokens
+        if num_prompt == 0:
+            return "the prompt is empty"
+        if total > self.max_model_len:
+            return (
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} tokens "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        block_size = self.kv_cache_manager.block_size
+        num_needed = blocks_for_tokens(total, block_size)
+        num_usable = self.kv_cache_manager.num_blocks - 1
+        if num_needed > num_usable:
+            return (
+                f"prompt + max_tokens = {total} tokens need {num_needed} KV cache blocks of "
+                f"{block_size} tokens, but the cache has only {num_usable}"
+            )
+        budget = self.scheduler_config.max_num_batched_tokens
+        if not self.scheduler_config.enable_chunked_prefill and num_prompt > budget:
+            return (
+                f"prompt ({num_prompt} tokens) exceeds max_num_batched_tokens ({budget}) "
+                "and chunked prefill is disabled"
+            )
+        return None
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request, or finishes it at once as FINISHED_ERROR when it can never run (it
+        is then reported in the next SchedulerOutput's ``rejected``). Raises ValueError on a
+        request_id that is still waiting or running."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        reason = self._rejection_reason(request)
+        if reason is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.finish_reason = FinishReason.ERROR
+            request.error = reason
+            self._rejected.append(request)
+            return
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Aborts a waiting or running request (freeing its blocks); None when unknown/finished.
+
+        Call it between steps, never between schedule() and running that step: a request in the
+        same step may already be using blocks this one is about to write.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED, FinishReason.ABORT)
+        return request
+
+    def finish_request(self, request: Request, status: RequestStatus, finish_reason: FinishReason) -> None:
+        """The engine saw eos / a stop / the length limit: the request leaves and frees its blocks."""
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a finished status, got {status.name}")
+        if self.requests.get(request.request_id) is not request:
+            raise ValueError(f"request {request.request_id!r} is not waiting or running")
+        self._finish(request, status, finish_reason)
+
+    def _finish(self, request: Request, status: RequestStatus, finish_reason: FinishReason) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        del self.requests[request.request_id]
+        self.kv_cache_manager.free(request)
+        request.status = status
+        request.finish_reason = finish_reason
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free the blocks, start over from the front of the waiting queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ----- the step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's tokens and allocates their slots; advances ``num_computed_tokens``."""
+        config = self.scheduler_config
+        kv = self.kv_cache_manager
+        token_budget = config.max_num_batched_tokens
+        output = SchedulerOutput(rejected=self._rejected)
+        self._rejected = []
+        scheduled = output.scheduled
+
+        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens <= 0:  # nothing new (no token was appended since its last step)
+                req_index += 1
+                continue
+            while kv.allocate_slots(request, num_new_tokens) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:  # it preempted itself: nothing else fits
+                break
+            scheduled.append(
+                ScheduledRequest(
+                    request, num_new_tokens, request.num_computed_tokens, kv.get_block_ids(request.request_id)
+                )
+            )
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. Waiting requests in arrival order (preempted ones sit at the front). Like vLLM, admit
+        # none in a step that had to preempt: the pool is short of blocks.
+        while (
+            self.waiting
+            and not output.preempted
+            and token_budget > 0
+            and len(self.running) < config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            assert request.num_computed_tokens == 0, "waiting requests have no KV"
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if num_new_tokens > token_budget:
+                # Without chunked prefill a prompt waits for a step with room for all of it. A
+                # preempted request whose outputs pushed it past the whole budget could never
+                # get such a step: it is chunked anyway, or it would wait forever.
+                if not config.enable_chunked_prefill and num_new_tokens <= config.max_num_batched_tokens:
+                    break
+                num_new_tokens = token_budget
+            if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            scheduled.append(
+                ScheduledRequest(
+                    request, num_new_tokens, num_hit_tokens, kv.get_block_ids(request.request_id)
+                )
+            )
+            token_budget -= num_new_tokens
+
+        # 3. The KV of the scheduled tokens counts as computed once this step runs.
+        for item in scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+        output.num_scheduled_tokens = config.max_num_batched_tokens - token_budget
+        return output

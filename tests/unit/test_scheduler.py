@@ -1,0 +1,325 @@
+"""Scheduler: token budget, chunk boundaries, running-before-waiting, preemption, rejection, and an
+engine-loop simulation that checks every computed token's KV really belongs to the request."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backend.config import CacheConfig, SchedulerConfig
+from backend.kv_cache.manager import KVCacheManager
+from backend.request import FinishReason, Request, RequestStatus, SamplingParams
+from backend.scheduler import Scheduler
+
+FAKE_TOKEN = 7
+
+
+def make_scheduler(
+    num_blocks=64,
+    block_size=16,
+    max_num_batched_tokens=64,
+    max_num_seqs=8,
+    chunked=True,
+    caching=True,
+    max_model_len=4096,
+):
+    manager = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=chunked,
+        ),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        max_model_len,
+        manager,
+    )
+
+
+def make_request(request_id, num_prompt_tokens=None, max_tokens=4, prompt=None):
+    if prompt is None:
+        prompt = [hash((request_id, i)) % 1000 for i in range(num_prompt_tokens)]
+    return Request(str(request_id), list(prompt), SamplingParams(max_tokens=max_tokens))
+
+
+def plan(output):
+    return [(item.request.request_id, item.num_new_tokens) for item in output.scheduled]
+
+
+def sample(scheduler, output, token=FAKE_TOKEN):
+    """The engine's part of a step: a token for each request whose chunk reached the end;
+    finish at max_tokens. Returns the requests finished this step."""
+    finished = []
+    for item in output.scheduled:
+        request = item.request
+        if not item.is_last_chunk:
+            continue
+        request.append_output_token(token)
+        if request.num_output_tokens >= request.sampling_params.max_tokens:
+            scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH, FinishReason.LENGTH)
+            finished.append(request)
+    return finished
+
+
+def test_chunk_boundaries_then_decode():
+    scheduler = make_scheduler(max_num_batched_tokens=32)
+    request = make_request("a", 100, max_tokens=3)
+    scheduler.add_request(request)
+    steps = []
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        item = output.scheduled[0]
+        steps.append((item.num_computed_tokens, item.num_new_tokens, item.is_last_chunk))
+        assert len(item.block_ids) == -(-(item.num_computed_tokens + item.num_new_tokens) // 16)
+        sample(scheduler, output)
+    assert steps == [
+        (0, 32, False),
+        (32, 32, False),
+        (64, 32, False),
+        (96, 4, True),
+        (100, 1, True),
+        (101, 1, True),
+    ]
+    assert request.status == RequestStatus.FINISHED_LENGTH and request.num_output_tokens == 3
+    assert request.first_scheduled_time is not None and request.num_cached_tokens == 0
+    assert scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_running_before_waiting_and_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=20)
+    a, b, c = make_request("a", 12), make_request("b", 12), make_request("c", 5)
+    for request in (a, b, c):
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert plan(out) == [("a", 12), ("b", 8)] and out.num_scheduled_tokens == 20
+    assert scheduler.num_running == 2 and scheduler.num_waiting == 1
+    sample(scheduler, out)
+    out = scheduler.schedule()  # a decodes, b finishes its prompt, c is admitted after them
+    assert plan(out) == [("a", 1), ("b", 4), ("c", 5)] and out.num_scheduled_tokens == 10
+    assert [item.num_computed_tokens for item in out.scheduled] == [12, 8, 0]
+    assert a.num_computed_tokens == 13 and b.num_computed_tokens == 12 and c.num_computed_tokens == 5
+
+
+def test_max_num_seqs():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        scheduler.add_request(make_request(i, 4))
+    out = scheduler.schedule()
+    assert plan(out) == [("0", 4), ("1", 4)] and scheduler.num_waiting == 1
+
+
+def test_no_chunking_waits_in_arrival_order():
+    scheduler = make_scheduler(max_num_batched_tokens=16, chunked=False)
+    scheduler.add_request(make_request("a", 10, max_tokens=8))
+    out = scheduler.schedule()
+    sample(scheduler, out)
+    scheduler.add_request(make_request("b", 16))
+    scheduler.add_request(make_request("c", 2))
+    out = scheduler.schedule()  # a takes 1 token; b (16) does not fit in 15; c must not skip b
+    assert plan(out) == [("a", 1)] and [r.request_id for r in scheduler.waiting] == ["b", "c"]
+
+
+def test_rejections_reported_once():
+    scheduler = make_scheduler(
+        num_blocks=5, block_size=4, max_num_batched_tokens=8, chunked=False, max_model_len=20
+    )
+    too_long = make_request("long", 15, max_tokens=6)  # 21 > max_model_len
+    too_big = make_request("big", 8, max_tokens=9)  # 17 tokens -> 5 blocks > 4 usable
+    over_budget = make_request("budget", 9, max_tokens=1)  # no chunked prefill, 9 > 8
+    empty = make_request("empty", 0)
+    fine = make_request("fine", 8, max_tokens=8)  # 16 tokens -> exactly 4 blocks
+    for request in (too_long, too_big, over_budget, empty, fine):
+        scheduler.add_request(request)
+    assert scheduler.num_waiting == 1 and scheduler.has_unfinished_requests()
+    out = scheduler.schedule()
+    assert [r.request_id for r in out.rejected] == ["long", "big", "budget", "empty"]
+    for request in out.rejected:
+        assert request.status == RequestStatus.FINISHED_ERROR and request.finish_reason == FinishReason.ERROR
+    assert "max_model_len" in too_long.error and "blocks" in too_big.error
+    assert "max_num_batched_tokens" in over_budget.error and "empty" in empty.error
+    assert plan(out) == [("fine", 8)] and fine.error is None
+    assert scheduler.schedule().rejected == []
+
+
+def test_duplicate_request_id_raises():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 4))
+    with pytest.raises(ValueError):
+        scheduler.add_request(make_request("a", 4))
+
+
+def test_preempt_newest_to_waiting_front():
+    # 6 usable blocks of 4 tokens; three 8-token prompts fill them exactly.
+    scheduler = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=64)
+    a, b, c = (make_request(name, 8, max_tokens=4) for name in "abc")
+    for request in (a, b, c):
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert plan(out) == [("a", 8), ("b", 8), ("c", 8)]
+    sample(scheduler, out)
+    d = make_request("d", 2)
+    scheduler.add_request(d)
+    out = scheduler.schedule()
+    # a needs a 3rd block: c (newest) is preempted; b then takes the 2nd of c's freed blocks.
+    assert plan(out) == [("a", 1), ("b", 1)] and out.preempted == [c]
+    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.num_preemptions == 1
+    assert list(scheduler.waiting) == [c, d] and scheduler.num_preemptions == 1
+    assert scheduler.kv_cache_manager.get_block_ids("c") == []
+    # No admission in a step that preempted, even though d would fit in the budget.
+    assert scheduler.num_running == 2
+
+
+def test_preempting_itself_stops_the_running_loop():
+    scheduler = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64, caching=False)
+    a, b = make_request("a", 7), make_request("b", 8)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    sample(scheduler, scheduler.schedule())
+    out = scheduler.schedule()  # a fits in its 2 blocks; b needs a 3rd: b is the newest itself
+    assert plan(out) == [("a", 1)] and out.preempted == [b]
+    assert list(scheduler.waiting) == [b]
+    # Preempted requests recompute prompt + outputs and keep their first num_cached_tokens.
+    sample(scheduler, out)
+    scheduler.finish_request(a, RequestStatus.FINISHED_STOPPED, FinishReason.EOS)
+    out = scheduler.schedule()
+    assert plan(out) == [("b", 9)] and b.num_cached_tokens == 0
+
+
+def test_prefix_hit_sets_num_cached_tokens():
+    scheduler = make_scheduler(block_size=4)
+    prompt = list(range(10))
+    a = make_request("a", prompt=prompt)
+    scheduler.add_request(a)
+    sample(scheduler, scheduler.schedule())
+    b = make_request("b", prompt=prompt)
+    scheduler.add_request(b)
+    out = scheduler.schedule()
+    assert plan(out) == [("a", 1), ("b", 2)]
+    assert out.scheduled[1].num_computed_tokens == 8 and b.num_cached_tokens == 8
+    manager = scheduler.kv_cache_manager
+    assert out.scheduled[1].block_ids[:2] == manager.get_block_ids("a")[:2]
+    assert manager.prefix_queries == 20 and manager.prefix_hits == 8
+
+
+def test_abort_and_finish_free_blocks():
+    scheduler = make_scheduler(block_size=4)
+    a, b = make_request("a", 8), make_request("b", 8)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    scheduler.schedule()
+    scheduler.add_request(make_request("c", 4))
+    assert scheduler.abort_request("c").status == RequestStatus.FINISHED_ABORTED
+    assert scheduler.abort_request("a") is a and a.finish_reason == FinishReason.ABORT
+    assert scheduler.abort_request("a") is None and scheduler.abort_request("zzz") is None
+    assert scheduler.num_running == 1 and scheduler.num_waiting == 0
+    scheduler.finish_request(b, RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
+    assert b.status == RequestStatus.FINISHED_STOPPED and not scheduler.has_unfinished_requests()
+    assert scheduler.kv_cache_manager.usage == 0.0
+    with pytest.raises(ValueError):
+        scheduler.finish_request(b, RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
+
+
+def run_engine(scheduler, requests, arrivals=None, max_steps=20_000):
+    """Simulates the engine loop over a fake paged KV cache: each computed token writes its
+    prefix identity into its slot; every computed token read later must carry the right one."""
+    config = scheduler.scheduler_config
+    block_size = scheduler.kv_cache_manager.block_size
+    kv: dict[int, int] = {}  # slot -> hash of the token prefix whose KV was computed there
+    pending = list(requests)
+    arrivals = arrivals or [0] * len(pending)
+    finished = []
+    for step in range(max_steps):
+        while pending and arrivals[len(requests) - len(pending)] <= step:
+            scheduler.add_request(pending.pop(0))
+        if not pending and not scheduler.has_unfinished_requests():
+            return finished
+        out = scheduler.schedule()
+        assert out.num_scheduled_tokens == sum(item.num_new_tokens for item in out.scheduled)
+        assert out.num_scheduled_tokens <= config.max_num_batched_tokens
+        assert len(out.scheduled) <= config.max_num_seqs and scheduler.num_running <= config.max_num_seqs
+        finished.extend(out.rejected)
+        if not config.enable_chunked_prefill:  # only a resumed request may be cut (see scheduler)
+            assert all(item.is_last_chunk for item in out.scheduled if item.request.num_preemptions == 0)
+        # Write the step's KV first (as the attention backends do), then check the reads.
+        for item in out.scheduled:
+            tokens = item.request.all_token_ids
+            end = item.num_computed_tokens + item.num_new_tokens
+            assert 0 < item.num_new_tokens and end <= len(tokens)
+            assert len(item.block_ids) == -(-end // block_size) and 0 not in item.block_ids
+            for pos in range(item.num_computed_tokens, end):
+                kv[item.block_ids[pos // block_size] * block_size + pos % block_size] = hash(
+                    tuple(tokens[: pos + 1])
+                )
+        for item in out.scheduled:
+            tokens = item.request.all_token_ids
+            for pos in range(item.num_computed_tokens + item.num_new_tokens):
+                slot = item.block_ids[pos // block_size] * block_size + pos % block_size
+                assert kv[slot] == hash(tuple(tokens[: pos + 1])), (item.request.request_id, pos)
+        for item in out.scheduled:
+            token = (item.request.num_tokens * 31 + len(item.request.request_id)) % 50
+            finished.extend(sample(scheduler, out.__class__(scheduled=[item]), token=token))
+    raise AssertionError("the engine loop did not finish: deadlock or livelock")
+
+
+def test_many_long_requests_tiny_pool_all_finish():
+    # 8 usable blocks of 4 tokens; each request needs up to 6 of them.
+    scheduler = make_scheduler(num_blocks=9, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    requests = [make_request(i, 10 + i % 5, max_tokens=10) for i in range(12)]
+    finished = run_engine(scheduler, requests)
+    assert sorted(r.request_id for r in finished) == sorted(r.request_id for r in requests)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 10 for r in requests)
+    assert scheduler.num_preemptions > 0
+    manager = scheduler.kv_cache_manager
+    assert manager.usage == 0.0 and manager.num_free_blocks == 8 and manager.req_to_blocks == {}
+
+
+def test_shared_prefixes_tiny_pool_no_chunking():
+    scheduler = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=24, chunked=False)
+    system = list(range(100, 109))
+    requests = [make_request(i, prompt=system + [i, i + 1], max_tokens=8) for i in range(10)]
+    finished = run_engine(scheduler, requests, arrivals=[i // 3 for i in range(10)])
+    assert len(finished) == 10 and all(r.num_output_tokens == 8 for r in requests)
+    assert scheduler.kv_cache_manager.prefix_hits > 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 2, 4]),
+    num_usable_blocks=st.integers(3, 12),
+    max_num_batched_tokens=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 5),
+    chunked=st.booleans(),
+    caching=st.booleans(),
+)
+def test_random_workloads_all_finish(
+    data, block_size, num_usable_blocks, max_num_batched_tokens, max_num_seqs, chunked, caching
+):
+    scheduler = make_scheduler(
+        num_blocks=num_usable_blocks + 1,
+        block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        chunked=chunked,
+        caching=caching,
+        max_model_len=num_usable_blocks * block_size,  # most requests fit, and crowd the pool
+    )
+    num_requests = data.draw(st.integers(1, 10))
+    prompts = data.draw(
+        st.lists(
+            st.lists(st.integers(0, 2), min_size=1, max_size=12), min_size=num_requests, max_size=num_requests
+        )
+    )
+    max_tokens = data.draw(st.lists(st.integers(1, 8), min_size=num_requests, max_size=num_requests))
+    arrivals = sorted(data.draw(st.lists(st.integers(0, 4), min_size=num_requests, max_size=num_requests)))
+    requests = [
+        make_request(i, prompt=p, max_tokens=m)
+        for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
+    ]
+    finished = run_engine(scheduler, requests, arrivals)
+    assert len(finished) == num_requests
+    for request in requests:
+        if request.status == RequestStatus.FINISHED_ERROR:
+            assert request.error
+        else:
+            assert request.num_output_tokens == request.sampling_params.max_tokens
+    assert scheduler.kv_cache_manager.usage == 0.0
