@@ -1,0 +1,394 @@
+"""Attention on NVIDIA GPUs with our CUDA kernels (kernels/*.cu) launched through CuPy.
+
+What runs where:
+  * every step: ``reshape_and_cache`` writes the new K/V into their slots (slot -1 is skipped);
+  * sequences with one new token (decode): ``paged_attention_decode`` reads the paged cache
+    directly, split into partitions of PARTITION_SIZE tokens and combined by
+    ``paged_attention_reduce`` when the context is longer than one partition;
+  * sequences with several new tokens (prefill, chunked prefill): torch's
+    scaled_dot_product_attention over K/V gathered from the cache through the block table.
+    Prefill is compute-bound: torch's fused attention kernels (flash / memory-efficient) do that
+    work better than a hand-written kernel would, and the gather (one index_select of the
+    sequence's blocks) costs O(context) memory traffic against O(new tokens x context) compute.
+    The gathered context includes the cached prefix, so chunked prefill and prefix-cache hits
+    need nothing special; the causal mask is offset by the prefix length.
+
+The modules are compiled once, when the backend is built at model load, with cupy.RawModule and
+the options in kernels/build_options.py (one module per cache dtype and head size). Kernels run on
+torch's current stream (cupy.cuda.ExternalStream) and take torch tensors zero-copy through DLPack.
+CuPy is imported only here and only when a backend is built for a GPU: the engine imports without
+it. ``cupy_available()`` says whether this machine can run the backend, and why not.
+
+For tests without a GPU, ``module_factory`` and ``launch`` can be replaced by the CPU emulation
+(kernels/emulation): the same launch code, argument packing and prefill path then run on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from backend.attention.base import AttentionMetadata
+from kernels import KERNEL_DIR
+from kernels.build_options import (
+    NUM_THREADS,
+    PARTITION_SIZE,
+    RESHAPE_MAX_THREADS,
+    ModuleSpec,
+    paged_attention_spec,
+    reshape_and_cache_spec,
+)
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+
+ModuleFactory = Callable[[ModuleSpec], Any]  # spec -> object with get_function(name), like cupy.RawModule
+Launch = Callable[[Any, tuple[int, ...], tuple[int, ...], tuple[Any, ...]], None]  # kernel, grid, block, args
+
+
+def cupy_available() -> tuple[bool, str]:
+    """(True, description) when CuPy, a CUDA device and NVRTC are usable here, else (False, reason)."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CUDA library error raised while importing
+        return (
+            False,
+            f"CuPy is not importable ({type(exc).__name__}: {exc}); install the gpu extra (cupy-cuda12x)",
+        )
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA device"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return False, f"CuPy cannot reach a CUDA device ({type(exc).__name__}: {exc})"
+    if count == 0:
+        return False, "CuPy sees no CUDA device"
+    try:
+        major, minor = cupy.cuda.nvrtc.getVersion()
+    except Exception as exc:
+        return False, f"CuPy cannot load NVRTC ({type(exc).__name__}: {exc}); install nvidia-cuda-nvrtc-cu12"
+    return True, f"CuPy {cupy.__version__}, NVRTC {major}.{minor}, {count} CUDA device(s)"
+
+
+@cache
+def _cupy_module(spec: ModuleSpec) -> Any:
+    """Compiles one module with NVRTC (cached per process; CuPy also caches on disk)."""
+    import cupy
+
+    from kernels.nvrtc import cuda_include_dir
+
+    include = cuda_include_dir()
+    options = (*spec.options, f"-I{KERNEL_DIR}", *([f"-I{include}"] if include is not None else ()))
+    module = cupy.RawModule(code=spec.code(), options=options)
+    try:
+        module.compile()
+    except Exception as exc:
+        hint = "" if include is not None else " (cuda_fp16.h not found: pip install nvidia-cuda-runtime-cu12)"
+        raise RuntimeError(
+            f"compiling kernels/{spec.source} {' '.join(spec.options)} failed{hint}: {exc}"
+        ) from exc
+    return module
+
+
+def _cupy_launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
+    """Launches on torch's current stream; tensors go over DLPack (bf16 as its int16 bits)."""
+    import cupy
+
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        converted = tuple(
+            cupy.from_dlpack(a.view(torch.int16) if a.dtype == torch.bfloat16 else a)
+            if isinstance(a, torch.Tensor)
+            else a
+            for a in args
+        )
+        kernel(grid, block, converted)
+
+
+class CupyAttentionBackend:
+    """The paged-attention backend for NVIDIA GPUs (see the module docstring)."""
+
+    name = "cupy"
+
+    def __init__(
+        self,
+        head_size: int,
+        dtype: torch.dtype,
+        *,
+        partition_size: int = PARTITION_SIZE,
+        module_factory: ModuleFactory | None = None,
+        launch: Launch | None = None,
+    ) -> None:
+        if module_factory is None:
+            ok, reason = cupy_available()
+            if not ok:
+                raise RuntimeError(
+                    f"attention_backend=cupy cannot run here: {reason}. "
+                    "Use attention_backend=torch, or auto to pick cupy only where it can run."
+                )
+            module_factory, launch = _cupy_module, _cupy_launch
+        if launch is None:
+            raise ValueError("a custom module_factory needs its launch function")
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"attention_backend=cupy: unsupported dtype {dtype} (float32, float16 or bfloat16)"
+            )
+        self.head_size = head_size
+        self.dtype = dtype
+        self.partition_size = partition_size
+        self._launch = launch
+        attention = module_factory(
+            paged_attention_spec(DTYPE_NAMES[dtype], head_size, partition_size=partition_size)
+        )
+        self._decode_kernel = attention.get_function("paged_attention_decode")
+        self._reduce_kernel = attention.get_function("paged_attention_reduce")
+        self._cache_kernel = module_factory(reshape_and_cache_spec(DTYPE_NAMES[dtype])).get_function(
+            "reshape_and_cache"
+        )
+        self._placeholders: dict[torch.device, torch.Tensor] = {}
+
+    # ---- the protocol ---------------------------------------------------------------------------
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        """Writes the new K/V into the cache, then attends every new query over its context."""
+        self._check_cache(query, key_cache, value_cache)
+        self.write_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        num_tokens = query.shape[0]
+        out = torch.empty(
+            (num_tokens, query.shape[1], self.head_size), dtype=query.dtype, device=query.device
+        )
+        if num_tokens == 0:
+            return out
+        num_seqs = metadata.num_seqs
+        if metadata.num_decode_only or (metadata.max_query_len == 1 and num_tokens == num_seqs):
+            self.decode(
+                out,
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                scale,
+                metadata.max_seq_len,
+            )
+            return out
+
+        query_lens = metadata.query_lens_list
+        if query_lens is None:
+            query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).tolist()
+        seq_lens = (
+            metadata.seq_lens_list if metadata.seq_lens_list is not None else metadata.seq_lens.tolist()
+        )
+        starts = [0, *np.cumsum(query_lens).tolist()]
+        decodes = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+        if decodes:
+            rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=query.device)
+            seqs = torch.tensor(decodes, dtype=torch.long, device=query.device)
+            decode_out = torch.empty(
+                (len(decodes), query.shape[1], self.head_size), dtype=query.dtype, device=query.device
+            )
+            self.decode(
+                decode_out,
+                query.index_select(0, rows),
+                key_cache,
+                value_cache,
+                metadata.block_tables.index_select(0, seqs),
+                metadata.seq_lens.index_select(0, seqs),
+                scale,
+                max(seq_lens[i] for i in decodes),
+            )
+            out.index_copy_(0, rows, decode_out)
+        for i, q_len in enumerate(query_lens):
+            if q_len > 1:
+                s = starts[i]
+                out[s : s + q_len] = prefill_attention(
+                    query[s : s + q_len], key_cache, value_cache, metadata.block_tables[i], seq_lens[i], scale
+                )
+        return out
+
+    # ---- the kernels ----------------------------------------------------------------------------
+
+    def write_cache(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    ) -> None:
+        """reshape_and_cache: K/V of token t go to slot slot_mapping[t]."""
+        num_tokens, num_kv_heads, head_size = key.shape
+        if num_tokens == 0:
+            return
+        for name, t in (("key", key), ("value", value)):
+            if t.dtype != key_cache.dtype or t.stride(2) != 1 or t.stride(1) != head_size:
+                raise ValueError(
+                    f"{name} must be {key_cache.dtype} with contiguous heads, got {t.dtype} strides {t.stride()}"
+                )
+        if slot_mapping.dtype != torch.int64 or slot_mapping.shape[0] != num_tokens:
+            raise ValueError(
+                f"slot_mapping must be int64 [num_tokens], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+            )
+        threads = min(RESHAPE_MAX_THREADS, 32 * math.ceil(num_kv_heads * head_size / 32))
+        self._launch(
+            self._cache_kernel,
+            (num_tokens,),
+            (threads,),
+            (
+                key,
+                value,
+                key_cache,
+                value_cache,
+                slot_mapping.contiguous(),
+                np.int64(key.stride(0)),
+                np.int64(value.stride(0)),
+                np.int32(num_kv_heads),
+                np.int32(head_size),
+                np.int32(key_cache.shape[1]),
+                np.int64(key_cache.stride(0)),
+                np.int32(key_cache.stride(1)),
+                np.int32(key_cache.stride(2)),
+            ),
+        )
+
+    def decode(
+        self,
+        out: torch.Tensor,  # [num_seqs, num_heads, head_size], written
+        query: torch.Tensor,  # [num_seqs, num_heads, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
+        seq_lens: torch.Tensor,  # [num_seqs] int32
+        scale: float,
+        max_seq_len: int,
+    ) -> None:
+        """paged_attention_decode (+ reduce over partitions): one query token per sequence."""
+        num_seqs, num_heads, _ = query.shape
+        num_kv_heads = key_cache.shape[2]
+        if num_seqs == 0:
+            return
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if query.stride(2) != 1 or not out.is_contiguous():
+            raise ValueError("query rows must have a contiguous head dimension and out must be contiguous")
+        if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+            raise ValueError(f"block_tables must be int32 with contiguous rows, got {block_tables.dtype}")
+        seq_lens = seq_lens.to(torch.int32).contiguous()
+        num_partitions = max(1, math.ceil(max_seq_len / self.partition_size))
+        if num_partitions == 1:
+            tmp_out = max_logits = exp_sums = self._placeholder(query.device)
+        else:
+            tmp_out = torch.empty(
+                (num_seqs, num_heads, num_partitions, self.head_size),
+                dtype=torch.float32,
+                device=query.device,
+            )
+            max_logits = torch.empty(
+                (num_seqs, num_heads, num_partitions), dtype=torch.float32, device=query.device
+            )
+            exp_sums = torch.empty_like(max_logits)
+        self._launch(
+            self._decode_kernel,
+            (num_heads, num_seqs, num_partitions),
+            (NUM_THREADS,),
+            (
+                out,
+                tmp_out,
+                max_logits,
+                exp_sums,
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                np.float32(scale),
+                np.int32(num_kv_heads),
+                np.int32(key_cache.shape[1]),
+                np.int32(block_tables.stride(0)),
+                np.int64(query.stride(0)),
+                np.int32(query.stride(1)),
+                np.int64(key_cache.stride(0)),
+                np.int32(key_cache.stride(1)),
+                np.int32(key_cache.stride(2)),
+            ),
+        )
+        if num_partitions > 1:
+            self._launch(
+                self._reduce_kernel,
+                (num_heads, num_seqs),
+                (NUM_THREADS,),
+                (out, tmp_out, max_logits, exp_sums, seq_lens, np.int32(num_partitions)),
+            )
+
+    # ---- checks ---------------------------------------------------------------------------------
+
+    def _check_cache(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        if query.dtype != self.dtype or key_cache.dtype != self.dtype or value_cache.dtype != self.dtype:
+            raise ValueError(
+                f"backend built for {self.dtype}, got query {query.dtype}, cache {key_cache.dtype}"
+            )
+        if query.shape[-1] != self.head_size or key_cache.shape[-1] != self.head_size:
+            raise ValueError(f"backend built for head size {self.head_size}, got {query.shape[-1]}")
+        if key_cache.stride() != value_cache.stride() or key_cache.shape != value_cache.shape:
+            raise ValueError("key_cache and value_cache must have the same shape and strides")
+        vec = 16 // key_cache.element_size()  # the decode kernel reads 16-byte vectors
+        if key_cache.stride(3) != 1 or any(s % vec for s in key_cache.stride()[:3]):
+            raise ValueError(
+                f"cache rows must be contiguous and 16-byte aligned, got strides {key_cache.stride()}"
+            )
+        if key_cache.data_ptr() % 16 or value_cache.data_ptr() % 16:
+            raise ValueError("key_cache and value_cache must start on a 16-byte boundary")
+
+    def _placeholder(self, device: torch.device) -> torch.Tensor:
+        """A one-element float32 buffer for the partition arguments a one-partition launch ignores."""
+        if device not in self._placeholders:
+            self._placeholders[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        return self._placeholders[device]
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [q_len, num_heads, head_size]: the last q_len positions of the context
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: torch.Tensor,  # [max_num_blocks_per_seq] int32
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_size]
+    """Causal attention of a sequence's new tokens over its whole context, gathered from the cache."""
+    q_len, num_heads, _ = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    blocks = block_table[: math.ceil(context_len / block_size)].to(torch.long)
+    key = key_cache.index_select(0, blocks).flatten(0, 1)[
+        :context_len
+    ]  # [context_len, num_kv_heads, head_size]
+    value = value_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_size]
+    k = key.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, context_len, head_size]
+    v = value.transpose(0, 1).unsqueeze(0)
+    mask = None
+    if q_len != context_len:  # a cached prefix: new token i sees positions <= context_len - q_len + i
+        positions = torch.arange(context_len - q_len, context_len, device=query.device).unsqueeze(1)
+        mask = (
+            torch.arange(context_len, device=query.device).unsqueeze(0) <= positions
+        )  # [q_len, context_len]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_heads != num_kv_heads
+    )
+    return out[0].transpose(0, 1)

@@ -1,0 +1,79 @@
+"""Which kernel sources the cupy backend compiles, and with which options.
+
+The single list of option combinations: the backend builds its cupy.RawModule objects from it at
+model load, and the compile tests check every combination for sm_80 and sm_90. Dtypes are named
+by their torch names so this module imports without torch or CuPy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels import KERNEL_DIR
+
+# torch dtype name -> C type of the cache, query and output elements
+CTYPES: dict[str, str] = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 112, 128, 256)
+NUM_THREADS = 128  # threads per block of the attention kernels
+PARTITION_SIZE = 512  # context tokens per block of the decode kernel
+THREAD_GROUP_SIZE = 8  # lanes that share one token
+RESHAPE_MAX_THREADS = 128  # threads per block of reshape_and_cache
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleSpec:
+    """One RawModule: a source file and its compile options."""
+
+    source: str  # file name under kernels/
+    options: tuple[str, ...]
+    kernel_names: tuple[str, ...]
+
+    def code(self) -> str:
+        return (KERNEL_DIR / self.source).read_text()
+
+    def defines(self) -> dict[str, str]:
+        """The -D options as a dict (for the CPU emulation build)."""
+        out = {}
+        for opt in self.options:
+            if opt.startswith("-D"):
+                name, _, value = opt[2:].partition("=")
+                out[name] = value
+        return out
+
+
+def paged_attention_spec(
+    dtype: str, head_size: int, *, partition_size: int = PARTITION_SIZE, num_threads: int = NUM_THREADS
+) -> ModuleSpec:
+    """The decode-attention module for one cache dtype and head size."""
+    if dtype not in CTYPES:
+        raise ValueError(f"paged attention: unsupported dtype {dtype!r} (supported: {', '.join(CTYPES)})")
+    if head_size % 8 != 0:
+        raise ValueError(f"paged attention: head size {head_size} is not a multiple of 8")
+    return ModuleSpec(
+        "paged_attention.cu",
+        (
+            "-std=c++17",
+            f"-DCACHE_T={CTYPES[dtype]}",
+            f"-DHEAD_SIZE={head_size}",
+            f"-DNUM_THREADS={num_threads}",
+            f"-DPARTITION_SIZE={partition_size}",
+            f"-DTHREAD_GROUP_SIZE={THREAD_GROUP_SIZE}",
+        ),
+        ("paged_attention_decode", "paged_attention_reduce"),
+    )
+
+
+def reshape_and_cache_spec(dtype: str) -> ModuleSpec:
+    """The cache-write module for one cache dtype."""
+    if dtype not in CTYPES:
+        raise ValueError(f"reshape_and_cache: unsupported dtype {dtype!r} (supported: {', '.join(CTYPES)})")
+    return ModuleSpec(
+        "reshape_and_cache.cu", ("-std=c++17", f"-DCACHE_T={CTYPES[dtype]}"), ("reshape_and_cache",)
+    )
+
+
+def all_specs() -> list[ModuleSpec]:
+    """Every module the backend can build: all dtypes x head sizes, plus the cache writers."""
+    specs = [paged_attention_spec(dtype, hs) for dtype in CTYPES for hs in HEAD_SIZES]
+    specs += [reshape_and_cache_spec(dtype) for dtype in CTYPES]
+    return specs

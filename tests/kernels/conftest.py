@@ -1,0 +1,53 @@
+"""Emulated kernel modules for the kernel tests (CPU, g++), built once per session.
+
+KERNEL_EMULATION_VARIANT picks the build (plain, tsan, asan; the sanitizer runs set it together
+with LD_PRELOAD) and KERNEL_PLANTED_BUG plants one of tests/kernels/planted_bugs.py into the
+sources (only the harness self-tests set it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from kernels.build_options import ModuleSpec, paged_attention_spec, reshape_and_cache_spec
+from kernels.emulation import EmulatedModule, build_emulated, build_many
+from tests.kernels import cases, planted_bugs
+
+PLANTED_BUG = os.environ.get("KERNEL_PLANTED_BUG") or None
+_modules: dict[tuple[ModuleSpec, str, str | None], EmulatedModule] = {}
+
+
+def emulated_module(
+    spec: ModuleSpec, variant: str = cases.VARIANT, bug: str | None = PLANTED_BUG
+) -> EmulatedModule:
+    """The CPU build of ``spec`` (cached), as a cupy.RawModule look-alike."""
+    key = (spec, variant, bug)
+    if key not in _modules:
+        code = None if bug is None else planted_bugs.apply(bug, spec.source, spec.code())
+        _modules[key] = EmulatedModule(build_emulated(spec, variant, code))
+    return _modules[key]
+
+
+def emulated_launch(kernel, grid, block, args) -> None:
+    """The backend's launch hook for emulated kernels: call them as cupy.RawKernel."""
+    kernel(grid, block, args)
+
+
+def all_emulated_specs() -> list[ModuleSpec]:
+    """Every module the kernel tests of the current variant load."""
+    specs = {paged_attention_spec(d, hs, partition_size=p) for d, hs, p in cases.attention_configs()}
+    specs |= {reshape_and_cache_spec(d) for d, *_ in cases.cache_write_configs()}
+    specs |= {reshape_and_cache_spec(d) for d, *_ in cases.attention_configs()}
+    return sorted(specs, key=lambda s: s.options)
+
+
+@pytest.fixture(scope="session")
+def emulation_built() -> None:
+    """Builds every module of this run in parallel up front (one g++ per core)."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found: the CPU kernel emulation needs a C++17 compiler")
+    if PLANTED_BUG is None:
+        build_many((spec, cases.VARIANT) for spec in all_emulated_specs())
