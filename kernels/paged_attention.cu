@@ -63,7 +63,10 @@ __device__ __forceinline__ const cache_t* cache_row(const cache_t* __restrict__ 
   return cache + physical_block * block_stride + (long long)(token % block_size) * token_stride + head_offset;
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode(
+// No __launch_bounds__: with it, ptxas (12.9 and 13.0) spilled on sm_90 at 40-64 registers for
+// several head sizes; without it none spill and none use more than ~72 registers. The kernels
+// must be launched with exactly NUM_THREADS threads (the backend does).
+extern "C" __global__ void paged_attention_decode(
     cache_t* __restrict__ out,                // [num_seqs, num_heads, HEAD_SIZE] (written when gridDim.z == 1)
     float* __restrict__ tmp_out,              // [num_seqs, num_heads, max_num_partitions, HEAD_SIZE]
     float* __restrict__ max_logits,           // [num_seqs, num_heads, max_num_partitions]
@@ -118,6 +121,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
   for (int d = tid; d < HEAD_SIZE; d += NUM_THREADS) q_smem[d] = to_float(q[d]) * scale;
   __syncthreads();  // q_smem is complete
 
+  // Whether this lane owns a chunk in the last round (false for some lanes when NUM_CHUNKS is not
+  // a multiple of THREAD_GROUP_SIZE, e.g. head 80). Hoisted: testing `chunk < NUM_CHUNKS` inside
+  // the loops made ptxas 13 spill on sm_90.
+  const bool has_tail_chunk = group_lane + (CHUNKS_PER_LANE - 1) * THREAD_GROUP_SIZE < NUM_CHUNKS;
   float q_reg[CHUNKS_PER_LANE][VEC_SIZE];  // this lane's chunks of the query
 #pragma unroll
   for (int j = 0; j < CHUNKS_PER_LANE; ++j) {
@@ -130,23 +137,24 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
   float qk_max = NEG_LARGE;
   for (int base = start; base < end; base += NUM_GROUPS) {  // the same trip count in every warp
     const int token = base + group;
+    const bool valid = token < end;
+    // Groups past the end re-read the last token instead of branching around the loads: fewer
+    // divergent regions (ptxas spilled convergence state on sm_90 with the branch), same result.
+    const cache_t* __restrict__ k_row = cache_row(key_cache, block_table, valid ? token : end - 1, block_size,
+                                                  cache_block_stride, cache_token_stride, head_offset);
     float dot = 0.f;
-    if (token < end) {
-      const cache_t* __restrict__ k_row = cache_row(key_cache, block_table, token, block_size, cache_block_stride,
-                                                    cache_token_stride, head_offset);
 #pragma unroll
-      for (int j = 0; j < CHUNKS_PER_LANE; ++j) {
-        const int chunk = group_lane + j * THREAD_GROUP_SIZE;
-        if (chunk < NUM_CHUNKS) {
-          const Vec16<cache_t> k_vec = *reinterpret_cast<const Vec16<cache_t>*>(k_row + chunk * VEC_SIZE);
+    for (int j = 0; j < CHUNKS_PER_LANE; ++j) {
+      const int chunk = group_lane + j * THREAD_GROUP_SIZE;
+      if (j < CHUNKS_PER_LANE - 1 || has_tail_chunk) {
+        const Vec16<cache_t> k_vec = *reinterpret_cast<const Vec16<cache_t>*>(k_row + chunk * VEC_SIZE);
 #pragma unroll
-          for (int k = 0; k < VEC_SIZE; ++k) dot += q_reg[j][k] * to_float(k_vec.v[k]);
-        }
+        for (int k = 0; k < VEC_SIZE; ++k) dot += q_reg[j][k] * to_float(k_vec.v[k]);
       }
     }
 #pragma unroll
     for (int mask = THREAD_GROUP_SIZE / 2; mask >= 1; mask /= 2) dot += __shfl_xor_sync(FULL_MASK, dot, mask);
-    if (token < end) {
+    if (valid) {
       if (group_lane == 0) logits[token - start] = dot;
       qk_max = fmaxf(qk_max, dot);
     }
@@ -182,18 +190,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     for (int k = 0; k < VEC_SIZE; ++k) acc[j][k] = 0.f;
   for (int base = start; base < end; base += NUM_GROUPS) {
     const int token = base + group;
-    if (token < end) {
-      const float p = logits[token - start];
-      const cache_t* __restrict__ v_row = cache_row(value_cache, block_table, token, block_size, cache_block_stride,
-                                                    cache_token_stride, head_offset);
+    const bool valid = token < end;
+    const float p = valid ? logits[token - start] : 0.f;  // past the end: weight 0 on the last token
+    const cache_t* __restrict__ v_row = cache_row(value_cache, block_table, valid ? token : end - 1, block_size,
+                                                  cache_block_stride, cache_token_stride, head_offset);
 #pragma unroll
-      for (int j = 0; j < CHUNKS_PER_LANE; ++j) {
-        const int chunk = group_lane + j * THREAD_GROUP_SIZE;
-        if (chunk < NUM_CHUNKS) {
-          const Vec16<cache_t> v_vec = *reinterpret_cast<const Vec16<cache_t>*>(v_row + chunk * VEC_SIZE);
+    for (int j = 0; j < CHUNKS_PER_LANE; ++j) {
+      const int chunk = group_lane + j * THREAD_GROUP_SIZE;
+      if (j < CHUNKS_PER_LANE - 1 || has_tail_chunk) {
+        const Vec16<cache_t> v_vec = *reinterpret_cast<const Vec16<cache_t>*>(v_row + chunk * VEC_SIZE);
 #pragma unroll
-          for (int k = 0; k < VEC_SIZE; ++k) acc[j][k] += p * to_float(v_vec.v[k]);
-        }
+        for (int k = 0; k < VEC_SIZE; ++k) acc[j][k] += p * to_float(v_vec.v[k]);
       }
     }
   }
@@ -202,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
 #pragma unroll
     for (int j = 0; j < CHUNKS_PER_LANE; ++j) {
       const int chunk = group_lane + j * THREAD_GROUP_SIZE;
-      if (chunk < NUM_CHUNKS) {
+      if (j < CHUNKS_PER_LANE - 1 || has_tail_chunk) {
 #pragma unroll
         for (int k = 0; k < VEC_SIZE; ++k) out_smem[group][chunk * VEC_SIZE + k] = acc[j][k];
       }
@@ -227,7 +234,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce(
+extern "C" __global__ void paged_attention_reduce(
     cache_t* __restrict__ out,               // [num_seqs, num_heads, HEAD_SIZE]
     const float* __restrict__ tmp_out,       // [num_seqs, num_heads, max_num_partitions, HEAD_SIZE]
     const float* __restrict__ max_logits,    // [num_seqs, num_heads, max_num_partitions]

@@ -26,13 +26,13 @@ class KernelResources:
     spill_load_bytes: int = 0
 
 
-def parse(log: str) -> dict[str, KernelResources]:
-    """{kernel name: resources} from a ptxas -v report (NVRTC log or nvcc stderr, one arch)."""
-    out: dict[str, KernelResources] = {}
+def parse(log: str) -> dict[tuple[str, str], KernelResources]:
+    """{(kernel name, arch): resources} from a ptxas -v report (NVRTC log or nvcc stderr)."""
+    out: dict[tuple[str, str], KernelResources] = {}
     current: KernelResources | None = None
     for line in log.splitlines():
         if m := _ENTRY.search(line):
-            current = out.setdefault(m.group(1), KernelResources(m.group(1), m.group(2)))
+            current = out.setdefault((m.group(1), m.group(2)), KernelResources(m.group(1), m.group(2)))
             continue
         if current is None:
             continue

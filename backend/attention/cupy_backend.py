@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -100,10 +101,15 @@ def _cupy_module(spec: ModuleSpec) -> Any:
 
 
 def _cupy_launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
-    """Launches on torch's current stream; tensors go over DLPack (bf16 as its int16 bits)."""
+    """Launches on torch's current stream of the tensors' device; tensors go over DLPack (bf16 as
+    its int16 bits: CuPy has no bfloat16, the kernel only needs the pointer)."""
     import cupy
 
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    with (
+        cupy.cuda.Device(device.index),
+        cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream),
+    ):
         converted = tuple(
             cupy.from_dlpack(a.view(torch.int16) if a.dtype == torch.bfloat16 else a)
             if isinstance(a, torch.Tensor)
@@ -113,21 +119,39 @@ def _cupy_launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], arg
         kernel(grid, block, converted)
 
 
+@dataclass(frozen=True, slots=True)
+class _Kernels:
+    """The compiled kernels for one cache dtype and head size."""
+
+    decode: Any
+    reduce: Any
+    cache_write: Any
+
+
 class CupyAttentionBackend:
-    """The paged-attention backend for NVIDIA GPUs (see the module docstring)."""
+    """The paged-attention backend for NVIDIA GPUs (see the module docstring).
+
+    ``CupyAttentionBackend(device, head_size=..., dtype=...)`` compiles the modules right away (at
+    model load); without them it compiles on the first forward of each dtype and head size. On a
+    machine where ``cupy_available()`` is false, building it raises RuntimeError saying why.
+    """
 
     name = "cupy"
 
     def __init__(
         self,
-        head_size: int,
-        dtype: torch.dtype,
+        device: torch.device | str | None = None,
         *,
+        head_size: int | None = None,
+        dtype: torch.dtype | None = None,
         partition_size: int = PARTITION_SIZE,
         module_factory: ModuleFactory | None = None,
         launch: Launch | None = None,
     ) -> None:
+        self.device = torch.device(device) if device is not None else None
         if module_factory is None:
+            if self.device is not None and self.device.type != "cuda":
+                raise ValueError(f"attention_backend=cupy needs a CUDA device, got device '{self.device}'")
             ok, reason = cupy_available()
             if not ok:
                 raise RuntimeError(
@@ -137,23 +161,38 @@ class CupyAttentionBackend:
             module_factory, launch = _cupy_module, _cupy_launch
         if launch is None:
             raise ValueError("a custom module_factory needs its launch function")
-        if dtype not in DTYPE_NAMES:
-            raise ValueError(
-                f"attention_backend=cupy: unsupported dtype {dtype} (float32, float16 or bfloat16)"
-            )
-        self.head_size = head_size
-        self.dtype = dtype
         self.partition_size = partition_size
+        self._module_factory = module_factory
         self._launch = launch
-        attention = module_factory(
-            paged_attention_spec(DTYPE_NAMES[dtype], head_size, partition_size=partition_size)
-        )
-        self._decode_kernel = attention.get_function("paged_attention_decode")
-        self._reduce_kernel = attention.get_function("paged_attention_reduce")
-        self._cache_kernel = module_factory(reshape_and_cache_spec(DTYPE_NAMES[dtype])).get_function(
-            "reshape_and_cache"
-        )
+        self._kernels: dict[tuple[torch.dtype, int], _Kernels] = {}
         self._placeholders: dict[torch.device, torch.Tensor] = {}
+        if (head_size is None) != (dtype is None):
+            raise ValueError("pass head_size and dtype together (or neither)")
+        if head_size is not None and dtype is not None:
+            self.load(head_size, dtype)
+
+    def load(self, head_size: int, dtype: torch.dtype) -> None:
+        """Compiles the modules for one cache dtype and head size (once; call at model load)."""
+        self._get_kernels(dtype, head_size)
+
+    def _get_kernels(self, dtype: torch.dtype, head_size: int) -> _Kernels:
+        key = (dtype, head_size)
+        if key not in self._kernels:
+            if dtype not in DTYPE_NAMES:
+                raise ValueError(
+                    f"attention_backend=cupy: unsupported dtype {dtype} (float32, float16 or bfloat16)"
+                )
+            name = DTYPE_NAMES[dtype]
+            attention = self._module_factory(
+                paged_attention_spec(name, head_size, partition_size=self.partition_size)
+            )
+            cache_write = self._module_factory(reshape_and_cache_spec(name))
+            self._kernels[key] = _Kernels(
+                attention.get_function("paged_attention_decode"),
+                attention.get_function("paged_attention_reduce"),
+                cache_write.get_function("reshape_and_cache"),
+            )
+        return self._kernels[key]
 
     # ---- the protocol ---------------------------------------------------------------------------
 
@@ -171,9 +210,7 @@ class CupyAttentionBackend:
         self._check_cache(query, key_cache, value_cache)
         self.write_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         num_tokens = query.shape[0]
-        out = torch.empty(
-            (num_tokens, query.shape[1], self.head_size), dtype=query.dtype, device=query.device
-        )
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if num_tokens == 0:
             return out
         num_seqs = metadata.num_seqs
@@ -201,9 +238,7 @@ class CupyAttentionBackend:
         if decodes:
             rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=query.device)
             seqs = torch.tensor(decodes, dtype=torch.long, device=query.device)
-            decode_out = torch.empty(
-                (len(decodes), query.shape[1], self.head_size), dtype=query.dtype, device=query.device
-            )
+            decode_out = torch.empty((len(decodes), *query.shape[1:]), dtype=query.dtype, device=query.device)
             self.decode(
                 decode_out,
                 query.index_select(0, rows),
@@ -248,7 +283,7 @@ class CupyAttentionBackend:
             )
         threads = min(RESHAPE_MAX_THREADS, 32 * math.ceil(num_kv_heads * head_size / 32))
         self._launch(
-            self._cache_kernel,
+            self._get_kernels(key_cache.dtype, head_size).cache_write,
             (num_tokens,),
             (threads,),
             (
@@ -280,10 +315,11 @@ class CupyAttentionBackend:
         max_seq_len: int,
     ) -> None:
         """paged_attention_decode (+ reduce over partitions): one query token per sequence."""
-        num_seqs, num_heads, _ = query.shape
+        num_seqs, num_heads, head_size = query.shape
         num_kv_heads = key_cache.shape[2]
         if num_seqs == 0:
             return
+        kernels = self._get_kernels(query.dtype, head_size)
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if query.stride(2) != 1 or not out.is_contiguous():
@@ -296,7 +332,7 @@ class CupyAttentionBackend:
             tmp_out = max_logits = exp_sums = self._placeholder(query.device)
         else:
             tmp_out = torch.empty(
-                (num_seqs, num_heads, num_partitions, self.head_size),
+                (num_seqs, num_heads, num_partitions, head_size),
                 dtype=torch.float32,
                 device=query.device,
             )
@@ -305,7 +341,7 @@ class CupyAttentionBackend:
             )
             exp_sums = torch.empty_like(max_logits)
         self._launch(
-            self._decode_kernel,
+            kernels.decode,
             (num_heads, num_seqs, num_partitions),
             (NUM_THREADS,),
             (
@@ -331,7 +367,7 @@ class CupyAttentionBackend:
         )
         if num_partitions > 1:
             self._launch(
-                self._reduce_kernel,
+                kernels.reduce,
                 (num_heads, num_seqs),
                 (NUM_THREADS,),
                 (out, tmp_out, max_logits, exp_sums, seq_lens, np.int32(num_partitions)),
@@ -340,12 +376,12 @@ class CupyAttentionBackend:
     # ---- checks ---------------------------------------------------------------------------------
 
     def _check_cache(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-        if query.dtype != self.dtype or key_cache.dtype != self.dtype or value_cache.dtype != self.dtype:
+        if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
             raise ValueError(
-                f"backend built for {self.dtype}, got query {query.dtype}, cache {key_cache.dtype}"
+                f"query and caches must share a dtype, got query {query.dtype}, cache {key_cache.dtype}"
             )
-        if query.shape[-1] != self.head_size or key_cache.shape[-1] != self.head_size:
-            raise ValueError(f"backend built for head size {self.head_size}, got {query.shape[-1]}")
+        if key_cache.shape[-1] != query.shape[-1]:
+            raise ValueError(f"query head size {query.shape[-1]} != cache head size {key_cache.shape[-1]}")
         if key_cache.stride() != value_cache.stride() or key_cache.shape != value_cache.shape:
             raise ValueError("key_cache and value_cache must have the same shape and strides")
         vec = 16 // key_cache.element_size()  # the decode kernel reads 16-byte vectors
