@@ -1,0 +1,205 @@
+"""Llama-family causal LM (Llama 2/3, Mistral, Qwen2, SmolLM...) over the paged KV cache.
+
+The batch is flattened: ``input_ids`` and ``positions`` hold every scheduled token of every
+sequence back to back, with no padding; the attention backend finds sequence boundaries in
+:class:`AttentionMetadata`. Projections are fused for speed (vLLM's layout): ``qkv_proj`` stacks
+q/k/v and ``gate_up_proj`` stacks gate/up; :mod:`backend.models.loader` concatenates the
+checkpoint's weights into them. Arithmetic follows transformers' order (RMSNorm in float32, cast,
+then weight; cos/sin computed in float32) so greedy tokens match ``generate()``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.attention.base import AttentionBackend, AttentionMetadata
+from backend.models.rope import RotaryEmbedding, get_rope_parameters
+
+
+def get_head_size(hf_config) -> int:
+    """``head_dim`` when the config sets it, else hidden_size / num_attention_heads."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def get_num_kv_heads(hf_config) -> int:
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add (returns the new residual too)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+    ):
+        if residual is not None:
+            x = residual + x
+            residual = x
+        if x.dtype == torch.float32:
+            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:  # transformers' order: normalise in float32, cast back, then scale
+            x32 = x.float()
+            normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        out = self.weight * normed
+        return out if residual is None else (out, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = get_num_kv_heads(hf_config)
+        self.head_size = get_head_size(hf_config)
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.scale = self.head_size**-0.5
+        self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.attn_backend = attn_backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_size)
+        qk = rotary(positions, qk)  # q and k heads rotated in one go
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_size)
+        out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config, bias: bool):
+        super().__init__()
+        self.intermediate_size = hf_config.intermediate_size
+        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.self_attn = LlamaAttention(hf_config, attn_backend, qkv_bias, o_bias)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.mlp = LlamaMLP(hf_config, mlp_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None in the first layer
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, positions, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias)
+            for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM: embeddings, decoder layers over the paged KV cache, final norm, lm_head.
+
+    Build it through :func:`backend.models.loader.load_model`; the constructor allocates
+    uninitialised parameters (on the meta device when called under ``torch.device('meta')``).
+    """
+
+    def __init__(
+        self,
+        hf_config,
+        attn_backend: AttentionBackend,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        mlp_bias: bool = False,
+    ):
+        super().__init__()
+        self.config = hf_config
+        self.attn_backend = attn_backend
+        self.model = LlamaModel(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None  # logits use model.embed_tokens.weight
+        else:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None  # built by init_rotary() once the device is known
+
+    def init_rotary(self, dtype: torch.dtype, device: torch.device, initial_len: int = 4096) -> None:
+        """Builds the cos/sin cache (derived state, never in a checkpoint)."""
+        max_pos = getattr(self.config, "max_position_embeddings", None) or initial_len
+        self.rotary = RotaryEmbedding(
+            get_rope_parameters(self.config), get_head_size(self.config), dtype, device,
+            initial_len=min(initial_len, max_pos),
+        )
+
+    def set_attention_backend(self, attn_backend: AttentionBackend) -> None:
+        """Swaps the attention backend of every layer (e.g. torch <-> cupy for comparisons)."""
+        self.attn_backend = attn_backend
+        for layer in self.model.layers:
+            layer.self_attn.attn_backend = attn_backend
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: 2 x [num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        self.rotary.ensure_len(metadata.max_seq_len)
+        hidden = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, self.rotary, positions, kv_cache, metadata)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden: [n, hidden_size] -> [n, vocab] float32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, **kwargs):
+    """Loads a checkpoint folder; see :func:`backend.models.loader.load_model` (re-exported here)."""
+    from backend.models.loader import load_model as _load_model  # loader imports this module
+
+    return _load_model(model_dir, dtype, device, **kwargs)

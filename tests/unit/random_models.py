@@ -1,0 +1,103 @@
+"""Small random-weight HF checkpoints for tests, built with transformers and saved as safetensors.
+
+Random weights at transformers' default init (std 0.02) give almost flat logits, so greedy
+decoding hits near-ties that float rounding can flip. We init with ``INIT_STD`` instead, which
+makes logits peaked enough that exact greedy parity is a fair check (no loosened tolerances).
+Biases (Qwen2's q/k/v) are zero at init; we randomise them so the bias path is exercised.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import tempfile
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+INIT_STD = 0.2  # config.initializer_range of every test model (see the module docstring)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,  # small, so positions up to ~200 hit all three bands
+    "rope_theta": 10000.0,
+}
+
+# name -> (config class, model class, config kwargs)
+MODEL_SPECS = {
+    # (a) Llama, GQA ratio 4
+    "llama_gqa4": (LlamaConfig, LlamaForCausalLM, dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024,
+    )),
+    # (b) Qwen2 style: q/k/v bias, tied embeddings, GQA ratio 2
+    "qwen2_tied": (Qwen2Config, Qwen2ForCausalLM, dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024, tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    )),
+    # (c) plain multi-head, llama3 rope scaling, head_dim set explicitly (q_size != hidden_size)
+    "llama3_mha": (LlamaConfig, LlamaForCausalLM, dict(
+        hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=48, vocab_size=512, max_position_embeddings=1024,
+        rope_parameters=LLAMA3_ROPE, rms_norm_eps=1e-5,
+    )),
+    # Mistral architecture, one KV head (GQA ratio 4), no sliding window
+    "mistral_1kv": (MistralConfig, MistralForCausalLM, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024, sliding_window=None,
+    )),
+}
+
+
+def make_config(name: str, **overrides):
+    config_cls, _, kwargs = MODEL_SPECS[name]
+    kwargs = {**kwargs, "initializer_range": INIT_STD, **overrides}
+    return config_cls(**kwargs)
+
+
+def build_random_model(name: str, path: str | os.PathLike, seed: int = 0, max_shard_size: str | None = None,
+                       **overrides):
+    """Saves a random checkpoint of spec ``name`` into ``path``; returns the float32 HF model (eval)."""
+    _, model_cls, _ = MODEL_SPECS[name]
+    config = make_config(name, **overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".bias"):
+                param.normal_(0.0, INIT_STD)
+    model.eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    return model
+
+
+_TMP_ROOT: str | None = None
+
+
+@functools.cache
+def get_random_model(name: str):
+    """(checkpoint folder, float32 HF model) for spec ``name``, built once per test process.
+
+    The qwen2 checkpoint is saved sharded (index + several files) to cover that loader path.
+    """
+    global _TMP_ROOT
+    if _TMP_ROOT is None:
+        _TMP_ROOT = tempfile.mkdtemp(prefix="random_models_")
+        atexit.register(shutil.rmtree, _TMP_ROOT, True)
+    path = os.path.join(_TMP_ROOT, name)
+    model = build_random_model(name, path, max_shard_size="300KB" if name == "qwen2_tied" else None)
+    return path, model
