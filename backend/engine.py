@@ -81,20 +81,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
-    """auto: float32 on the CPU (fastest there without AMX); the checkpoint's dtype on GPUs, fp32 -> bf16."""
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32
-    checkpoint = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-    if isinstance(checkpoint, str):
-        checkpoint = getattr(torch, checkpoint, None)
-    if checkpoint in (None, torch.float32):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return checkpoint
-
-
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache (see module docstring)."""
 
@@ -103,7 +89,8 @@ class LLMEngine:
 
         from backend.attention.selector import get_attention_backend  # noqa: PLC0415
         from backend.model_runner import ModelRunner, allocate_kv_caches, kv_cache_bytes_per_block  # noqa: PLC0415
-        from backend.models.llama import load_model  # noqa: PLC0415
+        from backend.models.llama import get_head_size, get_num_kv_heads  # noqa: PLC0415
+        from backend.models.loader import ModelLoadError, load_config, load_model, resolve_dtype  # noqa: PLC0415
 
         self.config = config
         model_config = config.model
@@ -111,29 +98,26 @@ class LLMEngine:
         self.device = resolve_device(model_config.device)
         if not os.path.isdir(model_config.model_dir):
             raise EngineInputError(f"parameter 'model_dir': {model_config.model_dir} is not a folder")
+        try:
+            probe_config = load_config(model_config.model_dir, model_config.max_model_len)
+        except ModelLoadError as exc:
+            raise EngineInputError(f"parameter 'model_dir': {exc}") from None
         self.tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer_dir)
-        from transformers import AutoConfig  # noqa: PLC0415
-
-        probe_config = AutoConfig.from_pretrained(model_config.model_dir)
-        self.dtype = resolve_dtype(model_config.dtype, self.device, probe_config)
-        self.model, self.hf_config = load_model(model_config.model_dir, self.dtype, self.device)
+        self.dtype = resolve_dtype(model_config.dtype, probe_config, self.device)
+        self.attention_backend = get_attention_backend(model_config.attention_backend, self.device)
+        self.model, self.hf_config = load_model(
+            model_config.model_dir, self.dtype, self.device, self.attention_backend, model_config.max_model_len
+        )
         self.max_model_len = model_config.max_model_len
         self.eos_token_id = self._eos_token_id()
 
         block_size = config.cache.block_size
         self.num_kv_blocks = self._num_kv_blocks(kv_cache_bytes_per_block(self.hf_config, block_size, self.dtype))
-        head_size = getattr(self.hf_config, "head_dim", None) or (
-            self.hf_config.hidden_size // self.hf_config.num_attention_heads
-        )
         kv_caches = allocate_kv_caches(
             self.hf_config.num_hidden_layers, self.num_kv_blocks, block_size,
-            self.hf_config.num_key_value_heads, head_size, self.dtype, self.device,
+            get_num_kv_heads(self.hf_config), get_head_size(self.hf_config), self.dtype, self.device,
         )
-        self.attention_backend = get_attention_backend(model_config.attention_backend, self.device)
-        self.model_runner = ModelRunner(
-            self.model, self.hf_config, kv_caches, block_size, self.device,
-            attention_backend=self.attention_backend,
-        )
+        self.model_runner = ModelRunner(self.model, self.hf_config, kv_caches, block_size, self.device)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager)
         self.sampler = Sampler(seed=model_config.seed)
