@@ -105,6 +105,27 @@ def server_environment(installation: TritonInstallation, base: dict[str, str] | 
     return env
 
 
+def live_processes_in_group(pgid: int) -> list[int]:
+    """pids of process group ``pgid`` that are not zombies (Linux /proc; [] elsewhere).
+
+    Zombies are left out: an orphaned stub is reparented to a PID 1 that may never reap it.
+    """
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    alive = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry.name))
+    return alive
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now (tests start servers on these)."""
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
@@ -177,6 +198,9 @@ class TritonServer:
             os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=10)
+        deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to go
+        while live_processes_in_group(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if self._owns_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
         return self.process.returncode

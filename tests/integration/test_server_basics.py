@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from backend.launcher import live_processes_in_group
 from client.stream import StreamingClient
 
 pytestmark = pytest.mark.integration
@@ -75,10 +75,5 @@ def test_stop_leaves_no_process_even_with_live_streams(make_server):
         time.sleep(0.2)
     assert processes_mentioning(marker) == []
     assert server.process.poll() is not None
-    try:
-        os.killpg(server.process.pid, 0)
-        group_alive = True
-    except ProcessLookupError:
-        group_alive = False
-    assert not group_alive
+    assert live_processes_in_group(server.process.pid) == []
     client.close()
