@@ -7,13 +7,17 @@ by their torch names so this module imports without torch or CuPy.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from kernels import KERNEL_DIR
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+
 # torch dtype name -> C type of the cache, query and output elements
 CTYPES: dict[str, str] = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 112, 128, 256)
+HEAD_SIZES: tuple[int, ...] = (32, 48, 64, 80, 96, 112, 128, 256)
 NUM_THREADS = 128  # threads per block of the attention kernels
 PARTITION_SIZE = 512  # context tokens per block of the decode kernel
 THREAD_GROUP_SIZE = 8  # lanes that share one token
@@ -29,7 +33,12 @@ class ModuleSpec:
     kernel_names: tuple[str, ...]
 
     def code(self) -> str:
-        return (KERNEL_DIR / self.source).read_text()
+        """The source with its local includes ("common.cuh") inlined: what gets compiled.
+
+        Self-contained on purpose: CuPy's on-disk kernel cache is keyed by the source text and
+        options, not by the headers it includes, so an edited header would load a stale binary.
+        """
+        return _inline(KERNEL_DIR / self.source, set())
 
     def defines(self) -> dict[str, str]:
         """The -D options as a dict (for the CPU emulation build)."""
@@ -39,6 +48,26 @@ class ModuleSpec:
                 name, _, value = opt[2:].partition("=")
                 out[name] = value
         return out
+
+
+def _inline(path: Path, seen: set[str]) -> str:
+    out = []
+    for number, line in enumerate(path.read_text().splitlines(keepends=True), start=1):
+        match = _LOCAL_INCLUDE.match(line)
+        if match:
+            name = match.group(1)
+            if name not in seen:
+                seen.add(name)
+                out += [
+                    f'#line 1 "{name}"\n',
+                    _inline(path.parent / name, seen),
+                    f'#line {number + 1} "{path.name}"\n',
+                ]
+            continue
+        if line.strip() == "#pragma once":
+            continue  # inlined once already; in the main file g++ would warn
+        out.append(line)
+    return "".join(out)
 
 
 def paged_attention_spec(
@@ -52,7 +81,6 @@ def paged_attention_spec(
     return ModuleSpec(
         "paged_attention.cu",
         (
-            "-std=c++17",
             f"-DCACHE_T={CTYPES[dtype]}",
             f"-DHEAD_SIZE={head_size}",
             f"-DNUM_THREADS={num_threads}",

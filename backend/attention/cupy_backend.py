@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from backend.attention.base import AttentionMetadata
-from kernels import KERNEL_DIR
 from kernels.build_options import (
     NUM_THREADS,
     PARTITION_SIZE,
@@ -82,16 +81,18 @@ def cupy_available() -> tuple[bool, str]:
 
 @cache
 def _cupy_module(spec: ModuleSpec) -> Any:
-    """Compiles one module with NVRTC (cached per process; CuPy also caches on disk)."""
+    """Compiles one module with NVRTC and loads its kernels (cached per process; CuPy also
+    caches binaries on disk, keyed by the self-contained source and options)."""
     import cupy
 
     from kernels.nvrtc import cuda_include_dir
 
-    include = cuda_include_dir()
-    options = (*spec.options, f"-I{KERNEL_DIR}", *([f"-I{include}"] if include is not None else ()))
+    include = cuda_include_dir()  # cuda_fp16.h / cuda_bf16.h (CuPy may find them itself too)
+    options = (*spec.options, *([f"-I{include}"] if include is not None else ()))
     module = cupy.RawModule(code=spec.code(), options=options)
     try:
-        module.compile()
+        for name in spec.kernel_names:  # compiles and loads now, at model load, not mid-request
+            module.get_function(name)
     except Exception as exc:
         hint = "" if include is not None else " (cuda_fp16.h not found: pip install nvidia-cuda-runtime-cu12)"
         raise RuntimeError(

@@ -24,6 +24,8 @@ ATTENTION_CONFIGS: list[tuple[str, int, int]] = [
     ("float32", 96, 512),
     ("bfloat16", 112, 512),
     ("float16", 256, 512),
+    ("float32", 32, 512),
+    ("float16", 48, 512),
     ("float16", 128, 64),
     ("bfloat16", 80, 64),
     ("float32", 64, 64),

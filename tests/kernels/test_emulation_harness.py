@@ -22,7 +22,7 @@ PROBE = Path(__file__).with_name("probe_kernels.cu")
 
 @pytest.fixture(scope="module")
 def probe() -> EmulatedModule:
-    spec = ModuleSpec("probe_kernels.cu", ("-std=c++17",), ())
+    spec = ModuleSpec("probe_kernels.cu", (), ())
     return EmulatedModule(build_emulated(spec, cases.VARIANT, PROBE.read_text()))
 
 
