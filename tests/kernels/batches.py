@@ -63,17 +63,19 @@ def make_batch(
     max_blocks: int | None = None,
     query_scale: float = 1.0,
     seed: int = 0,
+    fill: float = float("nan"),
 ) -> Batch:
     """Sequence i has seq_lens[i] context tokens, of which the last query_lens[i] are new this step.
 
     The cached prefix (seq_lens[i] - query_lens[i] tokens) is written into the cache; the new
-    tokens' K/V are returned in key/value with their slots in metadata.slot_mapping.
+    tokens' K/V are returned in key/value with their slots in metadata.slot_mapping. Every other
+    cache element is ``fill`` (NaN by default: reading one poisons the output).
     """
     g = torch.Generator().manual_seed(seed)
     tables, num_blocks = make_block_tables(seq_lens, block_size, max_blocks, g)
     shape = (num_blocks, block_size, num_kv_heads, head_size)
-    key_cache = torch.full(shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    key_cache = torch.full(shape, fill, dtype=dtype)  # what no sequence owns stays `fill`
+    value_cache = torch.full(shape, fill, dtype=dtype)
     slots, num_tokens = [], sum(query_lens)
     query = random_like_dtype((num_tokens, num_heads, head_size), dtype, g, query_scale)
     key = random_like_dtype((num_tokens, num_kv_heads, head_size), dtype, g)

@@ -178,3 +178,40 @@ def test_modules_are_built_on_first_use_without_head_size():
         paged_attention_spec("float16", 128, partition_size=64),
         reshape_and_cache_spec("float16"),
     }
+
+
+@pytest.mark.skipif(cases.SANITIZER_RUN, reason="plain build only")
+@pytest.mark.parametrize("lens", BATCHES, ids=["decode", "mixed", "chunked"])
+def test_forward_matches_torch_backend(lens):
+    """Same step through the torch backend (backend/attention/torch_backend.py) and this one.
+
+    Unowned cache slots hold a large finite value rather than NaN: the torch backend masks padded
+    positions with -inf logits, and 0 * NaN would be NaN there (fine for real caches, which are
+    finite; this test is about the two backends agreeing).
+    """
+    torch_backend = pytest.importorskip(
+        "backend.attention.torch_backend", reason="torch backend not there yet"
+    )
+    seq_lens, query_lens = lens
+    batch = make_batch(
+        seq_lens,
+        query_lens,
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=128,
+        block_size=16,
+        dtype=torch.float16,
+        seed=2,
+        fill=300.0,
+    )
+    caches = (batch.key_cache.clone(), batch.value_cache.clone())
+    expected = torch_backend.TorchAttentionBackend("cpu").forward(
+        batch.query, batch.key, batch.value, *caches, batch.metadata, 0.09
+    )
+    out = make_backend("float16", 128, 64).forward(
+        batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, batch.metadata, 0.09
+    )
+    assert torch.equal(batch.key_cache.view(torch.int16), caches[0].view(torch.int16))
+    assert torch.equal(batch.value_cache.view(torch.int16), caches[1].view(torch.int16))
+    tol = {k: v * 4 for k, v in cases.tolerances("float16").items()}
+    torch.testing.assert_close(out.float(), expected.float(), **tol)

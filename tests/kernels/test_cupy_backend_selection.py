@@ -1,0 +1,88 @@
+"""Where the cupy backend may run: cupy_available() and the errors of a backend built where it
+cannot run. CuPy and CUDA are faked with monkeypatch, so every branch runs on any machine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.attention import cupy_backend
+from backend.attention.cupy_backend import CupyAttentionBackend, cupy_available
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fake_cupy(device_count: int = 1, nvrtc_error: Exception | None = None) -> types.ModuleType:
+    cupy = types.ModuleType("cupy")
+    cupy.__version__ = "13.6.0"
+
+    def get_version():
+        if nvrtc_error is not None:
+            raise nvrtc_error
+        return (12, 9)
+
+    cupy.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: device_count),
+        nvrtc=types.SimpleNamespace(getVersion=get_version),
+    )
+    return cupy
+
+
+def test_reports_missing_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    ok, reason = cupy_available()
+    assert not ok and "CuPy is not importable" in reason and "cupy-cuda12x" in reason
+
+
+def test_reports_missing_cuda_device(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cupy_available() == (False, "torch sees no CUDA device")
+
+
+def test_reports_cupy_without_devices_or_nvrtc(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(device_count=0))
+    assert cupy_available() == (False, "CuPy sees no CUDA device")
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(nvrtc_error=OSError("libnvrtc.so.12 not found")))
+    ok, reason = cupy_available()
+    assert not ok and "NVRTC" in reason and "libnvrtc.so.12" in reason
+
+
+def test_available_with_cupy_and_a_device(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ok, reason = cupy_available()
+    assert ok and "CuPy 13.6.0" in reason and "NVRTC 12.9" in reason
+
+
+def test_building_the_backend_where_it_cannot_run_fails_clearly(monkeypatch):
+    monkeypatch.setattr(cupy_backend, "cupy_available", lambda: (False, "torch sees no CUDA device"))
+    with pytest.raises(
+        RuntimeError, match="attention_backend=cupy cannot run here: torch sees no CUDA device"
+    ):
+        CupyAttentionBackend("cuda")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        CupyAttentionBackend("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_selector_refuses_cupy_without_a_gpu():
+    selector = pytest.importorskip("backend.attention.selector")
+    with pytest.raises((RuntimeError, ValueError), match="cupy"):
+        selector.get_attention_backend("cupy", "cuda" if torch.cuda.is_available() else "cpu")
+    assert selector.get_attention_backend("auto", "cpu").name == "torch"
+
+
+def test_engine_modules_import_without_cupy():
+    code = (
+        "import sys; sys.modules['cupy'] = None\n"  # as if CuPy were not installed
+        "import backend.attention.cupy_backend, backend.attention.base\n"
+        "assert sys.modules['cupy'] is None\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
