@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.attention.base import AttentionBackend, AttentionMetadata
+from backend.models.cpu_linear import Linear, packed_linear, prepack_weight
 from backend.models.rope import RotaryEmbedding, get_rope_parameters
 
 
@@ -62,8 +63,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         self.scale = self.head_size**-0.5
-        self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
         self.attn_backend = attn_backend
 
     def forward(
@@ -88,8 +89,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, hf_config, bias: bool):
         super().__init__()
         self.intermediate_size = hf_config.intermediate_size
-        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
@@ -159,8 +160,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None  # logits use model.embed_tokens.weight
         else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary() once the device is known
+        self.logits_packed: torch.Tensor | None = None  # tied lm_head, oneDNN-packed (CPU), see prepack_for_cpu
 
     def init_rotary(self, dtype: torch.dtype, device: torch.device, initial_len: int = 4096) -> None:
         """Builds the cos/sin cache (derived state, never in a checkpoint)."""
@@ -169,6 +171,17 @@ class LlamaForCausalLM(nn.Module):
             get_rope_parameters(self.config), get_head_size(self.config), dtype, device,
             initial_len=min(initial_len, max_pos),
         )
+
+    def prepack_for_cpu(self) -> bool:
+        """Runs every projection and lm_head on oneDNN-prepacked weights (see cpu_linear)."""
+        layers = [m for m in self.modules() if isinstance(m, Linear)]
+        if not all(layer.prepack() for layer in layers):
+            for layer in layers:
+                layer.packed_weight = None
+            return False
+        if self.lm_head is None:  # tied: pack the embedding matrix once more for the logits GEMM
+            self.logits_packed = prepack_weight(self.model.embed_tokens.weight)
+        return True
 
     def set_attention_backend(self, attn_backend: AttentionBackend) -> None:
         """Swaps the attention backend of every layer (e.g. torch <-> cupy for comparisons)."""
@@ -194,8 +207,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden: [n, hidden_size] -> [n, vocab] float32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.logits_packed is not None:
+            return packed_linear(hidden, self.logits_packed, None).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, **kwargs):

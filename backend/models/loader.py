@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from backend.attention.base import AttentionBackend
+from backend.models.cpu_linear import probe_packing
 from backend.models.llama import LlamaForCausalLM, get_head_size, get_num_kv_heads
 from backend.models.rope import get_rope_parameters
 
@@ -149,11 +150,13 @@ def load_model(
     device: torch.device,
     attn_backend: AttentionBackend | None = None,
     max_model_len: int | None = None,
+    prepack: bool | None = None,
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Builds the model from ``model_dir`` on ``device`` in ``dtype`` and loads its weights.
 
     ``attn_backend`` defaults to the torch backend; ``max_model_len`` (if known) decides whether a
-    sliding-window model can run with full attention.
+    sliding-window model can run with full attention; ``prepack`` (default: on the CPU) moves the
+    GEMMs onto oneDNN-prepacked weights where that works (see backend.models.cpu_linear).
     """
     from safetensors import safe_open
 
@@ -170,8 +173,8 @@ def load_model(
 
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, attn_backend, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias)
+    model.to(dtype)  # still on meta: free
     model.to_empty(device=device)
-    model.to(dtype)
     params = dict(model.named_parameters())
     pending: dict[str, int] = {}  # parameter -> number of shards still to load
     for name, param in params.items():
@@ -217,4 +220,8 @@ def load_model(
         raise ModelLoadError(f"checkpoint '{model_dir}' lacks weights for: {', '.join(missing[:8])}")
     model.init_rotary(dtype, device)
     model.eval()
+    if prepack is None:
+        prepack = device.type == "cpu"
+    if prepack and probe_packing(dtype):
+        model.prepack_for_cpu()
     return model, hf_config

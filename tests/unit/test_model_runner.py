@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -90,6 +91,19 @@ class _TinyLoop:
         return [r.output_token_ids for r in self.requests]
 
 
+@functools.cache
+def _generate_reference(name: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    """transformers' greedy tokens (cached: two tests share the llama_gqa4 prompts)."""
+    _, hf_model = get_random_model(name)
+    eos = hf_model.config.eos_token_id
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.mark.parametrize(
     ("name", "block_size", "token_budget"),
     [
@@ -100,18 +114,13 @@ class _TinyLoop:
     ],
 )
 def test_greedy_tokens_match_transformers_generate(name, block_size, token_budget):
-    runner, hf_model, hf_config = _runner(name, block_size)
+    runner, _, hf_config = _runner(name, block_size)
     max_tokens = 16
     prompts = _prompts(hf_config.vocab_size, [1, 2, 9, 31, 64, 100, 157, 200], seed=3)
     eos = hf_config.eos_token_id
     outputs = _TinyLoop(runner, prompts, max_tokens, eos, token_budget, num_blocks=256).run()
     for prompt, ours in zip(prompts, outputs):
-        with torch.no_grad():
-            expected = hf_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos,
-            )[0, len(prompt):].tolist()
-        assert ours == expected, f"prompt of {len(prompt)} tokens"
+        assert ours == _generate_reference(name, tuple(prompt), max_tokens), f"prompt of {len(prompt)} tokens"
 
 
 def test_chunked_prefill_gives_the_same_logits():

@@ -35,7 +35,7 @@ def _naive_attention(
     return out
 
 
-def _run_step(seqs, ratio, block_size, seed=0, host_lists=True, shared_prefix=None):
+def _run_step(seqs, ratio, block_size, seed=0, host_lists=True, shared_prefix=None, device="cpu"):
     """Builds a paged cache holding each sequence's prefix, runs one backend step, checks it.
 
     seqs: list of (num_computed, num_new). shared_prefix: (writer, reader) indices: the reader's
@@ -97,9 +97,17 @@ def _run_step(seqs, ratio, block_size, seed=0, host_lists=True, shared_prefix=No
         query_lens_list=query_lens if host_lists else None,
     )
     scale = HEAD_SIZE**-0.5
-    backend = TorchAttentionBackend("cpu")
+    backend = TorchAttentionBackend(device)
+    if device != "cpu":
+        query, key, value = query.to(device), key.to(device), value.to(device)
+        key_cache, value_cache = key_cache.to(device), value_cache.to(device)
+        for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+            setattr(metadata, name, getattr(metadata, name).to(device))
     out = backend.forward(query, key, value, key_cache, value_cache, metadata, scale)
     assert out.shape == query.shape
+    out2 = backend.forward(query, key, value, key_cache, value_cache, metadata, scale)
+    assert torch.equal(out, out2)  # a second layer reusing the step's plan gives the same result
+    out, key_cache, value_cache = out.cpu(), key_cache.cpu(), value_cache.cpu()
 
     for i, (c, n) in enumerate(seqs):
         ref = _naive_attention(query[qsl[i] : qsl[i + 1]], keys[i], values[i], scale)
@@ -109,9 +117,6 @@ def _run_step(seqs, ratio, block_size, seed=0, host_lists=True, shared_prefix=No
             assert torch.equal(key_cache[block, offset], keys[i][p])
             assert torch.equal(value_cache[block, offset], values[i][p])
     assert not key_cache[0].any() and not value_cache[0].any(), "the null block was written"
-    # a second layer reusing the step's plan gives the same result
-    out2 = backend.forward(query, key, value, key_cache, value_cache, metadata, scale)
-    assert torch.equal(out, out2)
 
 
 @pytest.mark.parametrize("ratio", [1, 2, 4])
@@ -134,6 +139,14 @@ def test_mixed_step(ratio, block_size):
         (block_size + 2, 5),  # chunk after a prefix ending mid-block
     ]
     _run_step(seqs, ratio, block_size, seed=ratio)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_mixed_step_on_cuda(ratio):
+    block_size = 16
+    seqs = [(31, 1), (0, 48), (0, 19), (5, 1), (32, 17), (18, 5)]
+    _run_step(seqs, ratio, block_size, seed=ratio, device="cuda")
 
 
 @pytest.mark.parametrize("host_lists", [True, False])
