@@ -82,23 +82,37 @@ def cupy_available() -> tuple[bool, str]:
 @cache
 def _cupy_module(spec: ModuleSpec) -> Any:
     """Compiles one module with NVRTC and loads its kernels (cached per process; CuPy also
-    caches binaries on disk, keyed by the self-contained source and options)."""
+    caches binaries on disk, keyed by the self-contained source and options).
+
+    CuPy usually finds cuda_fp16.h / cuda_bf16.h itself; where it does not, the compile is
+    retried with the folder kernels.nvrtc.cuda_include_dir() finds (a CUDA toolkit's, or the
+    nvidia-cuda-runtime-cu12 wheel's).
+    """
     import cupy
 
     from kernels.nvrtc import cuda_include_dir
 
-    include = cuda_include_dir()  # cuda_fp16.h / cuda_bf16.h (CuPy may find them itself too)
-    options = (*spec.options, *([f"-I{include}"] if include is not None else ()))
-    module = cupy.RawModule(code=spec.code(), options=options)
-    try:
+    def build(options: tuple[str, ...]) -> Any:
+        module = cupy.RawModule(code=spec.code(), options=options)
         for name in spec.kernel_names:  # compiles and loads now, at model load, not mid-request
             module.get_function(name)
-    except Exception as exc:
-        hint = "" if include is not None else " (cuda_fp16.h not found: pip install nvidia-cuda-runtime-cu12)"
-        raise RuntimeError(
-            f"compiling kernels/{spec.source} {' '.join(spec.options)} failed{hint}: {exc}"
-        ) from exc
-    return module
+        return module
+
+    try:
+        return build(spec.options)
+    except Exception as first:
+        include = cuda_include_dir()
+        if include is None or not any(h in str(first) for h in ("cuda_fp16.h", "cuda_bf16.h")):
+            hint = " (install nvidia-cuda-runtime-cu12 for cuda_fp16.h)" if include is None else ""
+            raise RuntimeError(
+                f"compiling kernels/{spec.source} {' '.join(spec.options)} failed{hint}: {first}"
+            ) from first
+        try:
+            return build((*spec.options, f"-I{include}"))
+        except Exception as exc:
+            raise RuntimeError(
+                f"compiling kernels/{spec.source} {' '.join(spec.options)} -I{include} failed: {exc}"
+            ) from exc
 
 
 def _cupy_launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:

@@ -125,3 +125,21 @@ def expected_output(batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Ten
         scale,
     )
     return out, key_cache, value_cache
+
+
+def to_device(batch: Batch, device: torch.device | str) -> Batch:
+    """A copy of ``batch`` on ``device`` (host lists stay as they are)."""
+    md = batch.metadata
+    metadata = AttentionMetadata(
+        slot_mapping=md.slot_mapping.to(device),
+        block_tables=md.block_tables.to(device),
+        seq_lens=md.seq_lens.to(device),
+        query_start_loc=md.query_start_loc.to(device),
+        max_query_len=md.max_query_len,
+        max_seq_len=md.max_seq_len,
+        num_decode_only=md.num_decode_only,
+        seq_lens_list=md.seq_lens_list,
+        query_lens_list=md.query_lens_list,
+    )
+    move = [t.to(device) for t in (batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache)]
+    return Batch(*move, metadata, batch.seq_lens, batch.query_lens)
