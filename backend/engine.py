@@ -217,6 +217,22 @@ class LLMEngine:
         request.finish_reason = FinishReason.ABORT
         return self._final_output(request, [], "")
 
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Ends every request with an error (unload, or a failed step) and forgets cached prefixes.
+
+        After a failed forward the KV of blocks hashed this step may never have been written, so
+        the prefix cache cannot be trusted any more.
+        """
+        outputs = []
+        for request_id in list(self.requests):
+            output = self.abort_request(request_id)
+            if output is not None:
+                output.finish_reason = FinishReason.ERROR
+                output.error = message
+                outputs.append(output)
+        self.kv_cache_manager.reset_prefix_cache()
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -27,7 +27,7 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Values of the ``finish_reason`` output tensor."""
 
     LENGTH = "length"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
@@ -139,22 +138,9 @@ class EngineLoop:
             # A bug in one step must not hang every client: fail the requests in flight, keep serving.
             message = "internal error during generation:\n" + traceback.format_exc(limit=5)
             logger.error(message)
-            outputs = []
-            for request_id in list(self.engine.requests):
-                output = self.engine.abort_request(request_id)
-                if output is not None:
-                    output.finish_reason = FinishReason.ERROR
-                    output.error = message
-                    outputs.append(output)
-            time.sleep(0.01)
-            return outputs
+            return self.engine.fail_all(message)
 
     def _fail_everything(self, pending: deque[PendingRequest], outputs: list[RequestOutput]) -> None:
         for request in pending:
             outputs.append(error_output(request.request_id, self._shutdown_message, request.arrival_time))
-        for request_id in list(self.engine.requests):
-            output = self.engine.abort_request(request_id)
-            if output is not None:
-                output.finish_reason = FinishReason.ERROR
-                output.error = self._shutdown_message
-                outputs.append(output)
+        outputs.extend(self.engine.fail_all(self._shutdown_message))
