@@ -101,3 +101,24 @@ def get_random_model(name: str):
     path = os.path.join(_TMP_ROOT, name)
     model = build_random_model(name, path, max_shard_size="300KB" if name == "qwen2_tied" else None)
     return path, model
+
+
+@functools.cache
+def reference_logits(name: str, prompt: tuple[int, ...]) -> torch.Tensor:
+    """transformers' float32 logits [len(prompt), vocab] for one prompt (cached per process)."""
+    _, model = get_random_model(name)
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+@functools.cache
+def reference_greedy(name: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """transformers' ``generate(do_sample=False)`` tokens after the prompt (stops at EOS; cached)."""
+    _, model = get_random_model(name)
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos,
+        )
+    return out[0, len(prompt) :].tolist()

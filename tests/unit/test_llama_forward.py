@@ -17,7 +17,7 @@ from backend.models.llama import get_head_size, get_num_kv_heads
 from backend.models.loader import load_config
 from backend.models.rope import compute_inv_freq, get_rope_parameters
 from backend.request import Request, SamplingParams
-from tests.unit.random_models import LLAMA3_ROPE, MODEL_SPECS, get_random_model
+from tests.unit.random_models import LLAMA3_ROPE, MODEL_SPECS, get_random_model, reference_logits
 
 CPU = torch.device("cpu")
 
@@ -43,7 +43,7 @@ def test_prompt_logits_match_transformers(name, block_size, prepack):
     With oneDNN-prepacked GEMMs (the CPU default) the fp32 summation order differs from
     transformers' F.linear, which shows as ~1e-4 on logits of magnitude ~10: tolerance 2e-4.
     """
-    path, hf_model = get_random_model(name)
+    path, _ = get_random_model(name)
     model, hf_config = load_model(path, torch.float32, CPU, prepack=prepack)
     atol = 2e-4 if prepack else 1e-4
     kv_caches = allocate_kv_caches(
@@ -62,11 +62,10 @@ def test_prompt_logits_match_transformers(name, block_size, prepack):
     logits = model.compute_logits(model(input_ids, positions, kv_caches, metadata))
     assert logits.dtype == torch.float32 and logits.shape == (sum(map(len, prompts)), hf_config.vocab_size)
     start = 0
-    with torch.no_grad():
-        for prompt in prompts:
-            expected = hf_model(torch.tensor([prompt])).logits[0].float()
-            torch.testing.assert_close(logits[start : start + len(prompt)], expected, atol=atol, rtol=1e-4)
-            start += len(prompt)
+    for prompt in prompts:
+        expected = reference_logits(name, tuple(prompt))
+        torch.testing.assert_close(logits[start : start + len(prompt)], expected, atol=atol, rtol=1e-4)
+        start += len(prompt)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import pytest
@@ -12,7 +11,7 @@ from backend.model_runner import ModelRunner, allocate_kv_caches, kv_cache_bytes
 from backend.models import load_model
 from backend.models.llama import get_head_size, get_num_kv_heads
 from backend.request import Request, SamplingParams
-from tests.unit.random_models import get_random_model
+from tests.unit.random_models import get_random_model, reference_greedy, reference_logits
 
 CPU = torch.device("cpu")
 
@@ -28,13 +27,13 @@ class Scheduled:
 
 
 def _runner(name: str, block_size: int, num_blocks: int = 256):
-    path, hf_model = get_random_model(name)
+    path, _ = get_random_model(name)
     model, hf_config = load_model(path, torch.float32, CPU)
     kv_caches = allocate_kv_caches(
         hf_config.num_hidden_layers, num_blocks, block_size, get_num_kv_heads(hf_config), get_head_size(hf_config),
         torch.float32, CPU,
     )
-    return ModelRunner(model, hf_config, kv_caches, block_size, CPU), hf_model, hf_config
+    return ModelRunner(model, hf_config, kv_caches, block_size, CPU), hf_config
 
 
 def _prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -91,19 +90,6 @@ class _TinyLoop:
         return [r.output_token_ids for r in self.requests]
 
 
-@functools.cache
-def _generate_reference(name: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-    """transformers' greedy tokens (cached: two tests share the llama_gqa4 prompts)."""
-    _, hf_model = get_random_model(name)
-    eos = hf_model.config.eos_token_id
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.mark.parametrize(
     ("name", "block_size", "token_budget"),
     [
@@ -114,17 +100,17 @@ def _generate_reference(name: str, prompt: tuple[int, ...], max_tokens: int) -> 
     ],
 )
 def test_greedy_tokens_match_transformers_generate(name, block_size, token_budget):
-    runner, _, hf_config = _runner(name, block_size)
+    runner, hf_config = _runner(name, block_size)
     max_tokens = 16
     prompts = _prompts(hf_config.vocab_size, [1, 2, 9, 31, 64, 100, 157, 200], seed=3)
     eos = hf_config.eos_token_id
     outputs = _TinyLoop(runner, prompts, max_tokens, eos, token_budget, num_blocks=256).run()
     for prompt, ours in zip(prompts, outputs):
-        assert ours == _generate_reference(name, tuple(prompt), max_tokens), f"prompt of {len(prompt)} tokens"
+        assert ours == reference_greedy(name, tuple(prompt), max_tokens), f"prompt of {len(prompt)} tokens"
 
 
 def test_chunked_prefill_gives_the_same_logits():
-    runner, hf_model, hf_config = _runner("llama3_mha", block_size=7)
+    runner, hf_config = _runner("llama3_mha", block_size=7)
     prompt = _prompts(hf_config.vocab_size, [100], seed=5)[0]
     whole, rows = runner.execute([Scheduled(Request("a", prompt, SamplingParams()), 100, 0, list(range(1, 16)))])
     assert rows == [0]
@@ -138,9 +124,7 @@ def test_chunked_prefill_gives_the_same_logits():
             assert rows == [] and logits.shape == (0, hf_config.vocab_size)  # nothing to sample yet
     assert rows == [0]
     torch.testing.assert_close(logits, whole, atol=1e-5, rtol=1e-5)
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([prompt])).logits[0, -1:]
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, reference_logits("llama3_mha", tuple(prompt))[-1:], atol=2e-4, rtol=1e-4)
 
 
 def test_prepare_builds_the_flattened_batch():
@@ -166,7 +150,7 @@ def test_prepare_builds_the_flattened_batch():
 
 
 def test_execute_edge_cases():
-    runner, _, hf_config = _runner("mistral_1kv", block_size=4, num_blocks=8)
+    runner, hf_config = _runner("mistral_1kv", block_size=4, num_blocks=8)
     logits, indices = runner.execute([])
     assert logits.shape == (0, hf_config.vocab_size) and indices == []
     with pytest.raises(ValueError, match="cannot hold"):
@@ -174,7 +158,7 @@ def test_execute_edge_cases():
 
 
 def test_kv_cache_allocation_and_size():
-    _, _, hf_config = _runner("llama_gqa4", block_size=16, num_blocks=2)
+    _, hf_config = _runner("llama_gqa4", block_size=16, num_blocks=2)
     caches = allocate_kv_caches(4, 10, 16, 2, 32, torch.float32, CPU)
     assert len(caches) == 4
     assert all(k.shape == v.shape == (10, 16, 2, 32) and not k.any() for k, v in caches)
