@@ -128,7 +128,7 @@ def test_chunked_prefill_gives_the_same_logits():
 
 
 def test_prepare_builds_the_flattened_batch():
-    runner, _, _ = _runner("mistral_1kv", block_size=4, num_blocks=32)
+    runner, _ = _runner("mistral_1kv", block_size=4, num_blocks=32)
     decode = Request("d", [5, 6, 7, 8, 9], SamplingParams())  # 4 cached, 1 new
     chunk = Request("c", list(range(10, 20)), SamplingParams())  # 3 cached, 4 new, not finished
     prompt = Request("p", [1, 2, 3], SamplingParams())
