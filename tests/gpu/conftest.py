@@ -13,7 +13,7 @@ from backend.attention.cupy_backend import cupy_available
 GPU_OK, GPU_REASON = cupy_available()
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def _needs_cupy_and_a_gpu() -> None:
     if not GPU_OK:
         pytest.skip(f"needs CuPy and a CUDA device: {GPU_REASON}")
