@@ -13,8 +13,9 @@ What runs where:
     The gathered context includes the cached prefix, so chunked prefill and prefix-cache hits
     need nothing special; the causal mask is offset by the prefix length.
 
-The modules are compiled once, when the backend is built at model load, with cupy.RawModule and
-the options in kernels/build_options.py (one module per cache dtype and head size). Kernels run on
+The modules are compiled with cupy.RawModule and the options in kernels/build_options.py, one
+module per cache dtype and head size, once: when the backend is built with head_size and dtype
+(at model load), else at the first forward of each. Kernels run on
 torch's current stream (cupy.cuda.ExternalStream) and take torch tensors zero-copy through DLPack.
 CuPy is imported only here and only when a backend is built for a GPU: the engine imports without
 it. ``cupy_available()`` says whether this machine can run the backend, and why not.
