@@ -104,7 +104,12 @@ class LLMEngine:
             raise EngineInputError(f"parameter 'model_dir': {exc}") from None
         self.tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer_dir)
         self.dtype = resolve_dtype(model_config.dtype, probe_config, self.device)
-        self.attention_backend = get_attention_backend(model_config.attention_backend, self.device)
+        try:
+            self.attention_backend = get_attention_backend(
+                model_config.attention_backend, self.device, get_head_size(probe_config), self.dtype
+            )
+        except (ValueError, RuntimeError) as exc:
+            raise EngineInputError(str(exc)) from None
         self.model, self.hf_config = load_model(
             model_config.model_dir, self.dtype, self.device, self.attention_backend, model_config.max_model_len
         )

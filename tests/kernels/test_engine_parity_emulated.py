@@ -44,6 +44,6 @@ def test_engine_greedy_parity_with_emulated_kernels(tmp_path, monkeypatch):
     monkeypatch.setattr(
         selector,
         "get_attention_backend",
-        lambda name, device: EmulatedCupy("cpu", module_factory=emulated_module, launch=emulated_launch),
+        lambda name, device, *_args, **_kwargs: EmulatedCupy("cpu", module_factory=emulated_module, launch=emulated_launch),
     )
     assert gpu_test.greedy(model_dir, "torch", "float32") == expected
