@@ -1,0 +1,136 @@
+"""Sends a workload to the server over gRPC streams and records each request's timing.
+
+Threads, one ``StreamingClient`` (one gRPC stream) per user: a stream carries one pending request
+at a time because stream errors carry no request id. Closed loop (concurrency N): N users each take
+the next request when their previous one ends. Open loop (rate, burst): a dispatcher releases
+requests at their scheduled offsets to a pool of up to ``max_concurrency`` users; a request sent
+late because every user is busy is timed from when it was actually sent (as vLLM does).
+
+Times come from ``time.monotonic()`` taken in tritonclient's callback thread as each response
+arrives (client.stream), so they include gRPC and Python overheads, as a user would see them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from client.bench.arrivals import ArrivalPattern, send_offsets
+from client.bench.progress import Progress
+from client.bench.stats import RequestRecord
+from client.bench.workload import WorkItem
+from client.stream import StreamingClient
+
+
+@dataclass(frozen=True, slots=True)
+class CompletedRequest:
+    """A request's timing record plus what the server said about it."""
+
+    record: RequestRecord
+    finish_reason: str
+    expected_output_tokens: int
+    expected_input_tokens: int
+
+
+class _User:
+    """One simulated user: a lazily opened stream, reopened after a failure."""
+
+    def __init__(self, url: str, model: str, timeout_s: float):
+        self.url, self.model, self.timeout_s = url, model, timeout_s
+        self.client: StreamingClient | None = None
+
+    def close(self, cancel: bool = False) -> None:
+        if self.client is not None:
+            try:
+                self.client.close(cancel_requests=cancel)
+            except Exception:  # noqa: BLE001 (a broken stream must not hide the request's own error)
+                pass
+            self.client = None
+
+    def run(self, item: WorkItem, progress: Progress) -> CompletedRequest:
+        seen_tokens = 0
+
+        def on_response(_rid, result) -> None:
+            nonlocal seen_tokens
+            progress.add_tokens(len(result.token_ids) - seen_tokens)
+            seen_tokens = len(result.token_ids)
+
+        start = time.monotonic()
+        try:
+            if self.client is None:
+                self.client = StreamingClient(self.url, self.model)
+            start = time.monotonic()
+            rid = self.client.send(item.prompt, max_tokens=item.max_tokens, ignore_eos=True, stream=True)
+            result = self.client.collect([rid], {rid: start}, self.timeout_s, on_response=on_response)[rid]
+        except Exception as exc:  # noqa: BLE001 (connection refused, timeouts: a failed request, not a crash)
+            self.close(cancel=True)  # the stream may still hold the request: start afresh
+            record = RequestRecord(start, time.monotonic(), None, (), 0, item.num_input_tokens,
+                                   error=f"{type(exc).__name__}: {exc}")
+            progress.finish(failed=True)
+            return CompletedRequest(record, "", item.max_tokens, item.num_input_tokens)
+        error = result.error
+        if error is None and result.finish_reason == "abort":
+            error = "request aborted by the server"
+        num_output = result.num_output_tokens if result.num_output_tokens is not None else len(result.token_ids)
+        num_input = result.num_input_tokens if result.num_input_tokens is not None else item.num_input_tokens
+        record = RequestRecord(
+            start_time=result.start_time, end_time=result.end_time, first_token_time=result.first_token_time,
+            token_times=tuple(result.token_times), num_output_tokens=num_output, num_input_tokens=num_input,
+            error=error,
+        )
+        progress.finish(failed=error is not None)
+        return CompletedRequest(record, result.finish_reason, item.max_tokens, item.num_input_tokens)
+
+
+def run_workload(
+    url: str,
+    model: str,
+    items: Sequence[WorkItem],
+    pattern: ArrivalPattern,
+    seed: int = 0,
+    timeout_s: float = 600.0,
+    max_concurrency: int = 256,
+    progress: Progress | None = None,
+) -> tuple[list[CompletedRequest], float]:
+    """Runs every item under ``pattern``; returns results in item order and the wall duration (s)."""
+    progress = progress or Progress(pattern.label, len(items), interval_s=0)
+    results: list[CompletedRequest | None] = [None] * len(items)
+    offsets = send_offsets(pattern, len(items), seed)
+    num_users = int(pattern.value) if offsets is None else max_concurrency
+    num_users = max(1, min(num_users, len(items)))
+    work: queue.SimpleQueue = queue.SimpleQueue()
+
+    def serve_user() -> None:
+        user = _User(url, model, timeout_s)
+        try:
+            while True:
+                index = work.get()
+                if index is None:
+                    return
+                results[index] = user.run(items[index], progress)
+        finally:
+            user.close()
+
+    start = time.monotonic()
+    users = [threading.Thread(target=serve_user, name=f"bench-user-{i}", daemon=True) for i in range(num_users)]
+    for thread in users:
+        thread.start()
+    if offsets is None:
+        for index in range(len(items)):
+            work.put(index)
+    else:
+        for index, offset in enumerate(offsets):
+            delay = start + offset - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            work.put(index)
+    for _ in users:
+        work.put(None)
+    for thread in users:
+        while thread.is_alive():
+            thread.join(timeout=0.5)  # short joins keep Ctrl-C responsive
+    duration = time.monotonic() - start
+    return [r for r in results if r is not None], duration

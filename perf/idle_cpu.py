@@ -1,0 +1,75 @@
+"""CPU the server burns with no traffic: tritonserver plus its Python-backend stubs.
+
+    python -m perf.idle_cpu [--settle 10] [--window 10] [--model-repository DIR]
+
+Starts tritonserver on free ports, waits --settle seconds after it is ready, then sums utime+stime
+(/proc/<pid>/stat) over every process of its process group at the start and the end of a
+--window-second window with no requests, and prints the CPU used as a percentage of one core
+(100% = one core busy the whole window). An idle engine thread that polls instead of blocking shows
+up here. Linux only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from backend.launcher import live_processes_in_group, start_server
+from perf.served import DEFAULT_MODEL_REPOSITORY
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of one process, in seconds (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # fields 14, 15 of proc(5), after pid and comm
+
+
+def group_cpu_seconds(pgid: int) -> dict[int, float]:
+    return {pid: process_cpu_seconds(pid) for pid in live_processes_in_group(pgid)}
+
+
+def measure_idle_cpu(pgid: int, window_s: float) -> dict:
+    """CPU used by the process group over ``window_s`` seconds; processes present at both ends count."""
+    before = group_cpu_seconds(pgid)
+    start = time.monotonic()
+    time.sleep(window_s)
+    after = group_cpu_seconds(pgid)
+    elapsed = time.monotonic() - start
+    used = sum(after[pid] - before.get(pid, 0.0) for pid in after)
+    return {"window_s": elapsed, "cpu_s": used, "percent_of_one_core": 100.0 * used / elapsed,
+            "num_processes": len(after), "per_process_cpu_s": {str(p): after[p] - before.get(p, 0.0) for p in after}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.idle_cpu", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY))
+    parser.add_argument("--settle", type=float, default=10.0, help="seconds to wait after ready (default: %(default)s)")
+    parser.add_argument("--window", type=float, default=10.0, help="seconds measured (default: %(default)s)")
+    parser.add_argument("--out-json", default=None)
+    args = parser.parse_args(argv)
+    server = start_server(args.model_repository, ready_timeout=300)
+    try:
+        time.sleep(args.settle)
+        result = measure_idle_cpu(os.getpgid(server.process.pid), args.window)
+    finally:
+        server.stop()
+    result.update(settle_s=args.settle, model_repository=args.model_repository)
+    print(f"idle server CPU: {result['percent_of_one_core']:.2f}% of one core "
+          f"({result['cpu_s']:.3f} CPU s over {result['window_s']:.1f} s, {result['num_processes']} processes)")
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""genai-perf 0.0.8 against the `llm` model (Triton service kind, TensorRT-LLM input format).
+
+    python -m perf.run_genai_perf [--concurrency 1,4] [--input-len 128] [--output-len 64]
+        [--num-prompts 100] [--url HOST:PORT | --model-repository DIR] [--out-dir DIR]
+        [-- extra genai-perf profile args, e.g. -- -- --request-count 8 for perf_analyzer]
+
+Starts tritonserver on free ports (always stopped) unless --url names a running one, then runs
+``genai-perf profile -m llm --service-kind triton --backend tensorrtllm --streaming --tokenizer
+models/demo-llama`` once per concurrency with synthetic prompts of --input-len tokens (stddev 0)
+and deterministic --output-len outputs (genai-perf sends max_tokens and min_length). Reports
+(genai-perf's CSV/JSON exports, its profile export, the console log) go under
+perf/results/genai_perf/<UTC time>/concurrency<N>/. genai-perf is found next to this interpreter
+(pip install genai-perf==0.0.8, the perf extra) or at .peers/genai-perf/bin when installed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from perf.perf_analyzer_env import perf_analyzer_environment, perf_analyzer_problem
+from perf.served import REPO_ROOT, RESULTS_DIR, add_server_arguments, served
+
+
+def find_genai_perf() -> Path | None:
+    """genai-perf beside this interpreter, in .peers/genai-perf, or on PATH."""
+    for candidate in (Path(sys.executable).parent / "genai-perf", REPO_ROOT / ".peers" / "genai-perf" / "bin" / "genai-perf"):
+        if candidate.exists():
+            return candidate
+    found = shutil.which("genai-perf")
+    return Path(found) if found else None
+
+
+def genai_perf_problem() -> str | None:
+    """None when genai-perf and the perf_analyzer it drives can run; otherwise why not."""
+    if find_genai_perf() is None:
+        return "genai-perf not found: pip install genai-perf==0.0.8 (the perf extra)"
+    return perf_analyzer_problem()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m perf.run_genai_perf", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_arguments(parser)
+    parser.add_argument("--model", default="llm")
+    parser.add_argument("--concurrency", default="1,4", help="comma-separated; one genai-perf run each (default: %(default)s)")
+    parser.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens (default: %(default)s)")
+    parser.add_argument("--output-len", type=int, default=64, help="output tokens, deterministic (default: %(default)s)")
+    parser.add_argument("--num-prompts", type=int, default=100, help="distinct synthetic prompts (default: %(default)s)")
+    parser.add_argument("--tokenizer", default=str(REPO_ROOT / "models" / "demo-llama"))
+    parser.add_argument("--measurement-interval-ms", type=int, default=None, help="genai-perf -p (default: its 10000)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one genai-perf run may take")
+    parser.add_argument("--out-dir", default=None, help="report folder (default: perf/results/genai_perf/<UTC time>)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, extra = build_parser().parse_args(argv[:split]), argv[split + 1:]
+    problem = genai_perf_problem()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out_root = Path(args.out_dir) if args.out_dir else RESULTS_DIR / "genai_perf" / stamp
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    worst = 0
+    with served(args) as server:
+        for concurrency in concurrencies:
+            artifact_dir = (out_root / f"concurrency{concurrency}").resolve()
+            artifact_dir.mkdir(parents=True, exist_ok=True)
+            command = [
+                str(find_genai_perf()), "profile", "-m", args.model, "--service-kind", "triton",
+                "--backend", "tensorrtllm", "--streaming", "-u", server.grpc_url,
+                "--tokenizer", str(Path(args.tokenizer).resolve()), "--concurrency", str(concurrency),
+                "--num-prompts", str(args.num_prompts), "--random-seed", str(args.seed),
+                "--synthetic-input-tokens-mean", str(args.input_len), "--synthetic-input-tokens-stddev", "0",
+                "--output-tokens-mean", str(args.output_len), "--output-tokens-stddev", "0",
+                "--output-tokens-mean-deterministic", "--artifact-dir", str(artifact_dir),
+            ]
+            if server.server is not None:  # our own server: let genai-perf read its /metrics too
+                command += ["--server-metrics-url", server.server.metrics_url]
+            if args.measurement_interval_ms:
+                command += ["--measurement-interval", str(args.measurement_interval_ms)]
+            command += extra
+            (artifact_dir / "command.txt").write_text(" ".join(command) + "\n")
+            print("running:", " ".join(command), flush=True)
+            with open(artifact_dir / "genai_perf.log", "w") as log:
+                # genai-perf writes relative artifacts into its working folder: run it inside ours.
+                env = {**perf_analyzer_environment(), "COLUMNS": "160"}  # its table is unreadable at 80
+                process = subprocess.Popen(command, env=env, cwd=artifact_dir,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                try:
+                    for line in process.stdout:
+                        sys.stdout.write(line)
+                        log.write(line)
+                    code = process.wait(timeout=args.timeout)
+                finally:
+                    if process.poll() is None:
+                        process.kill()
+                        process.wait()
+            print(f"genai-perf (concurrency {concurrency}) exited with {code}; reports in {artifact_dir}", flush=True)
+            worst = worst or code
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Benchmark tooling against a real server: client.bench, perf_analyzer and genai-perf, each briefly.
+
+Each run is a few seconds of load on the session's server, so all three fit in well under the
+two-minute budget on 2 cores. perf_analyzer and genai-perf are skipped (with the reason) only when
+they cannot run here and their missing pieces cannot be installed.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+
+import pytest
+
+from client.bench.cli import main as bench_main
+from perf.perf_analyzer_env import ensure_perf_analyzer
+from perf.run_genai_perf import find_genai_perf
+from perf.run_genai_perf import main as genai_perf_main
+from perf.run_perf_analyzer import main as perf_analyzer_main
+
+pytestmark = pytest.mark.integration
+
+
+def test_load_generator_reports_every_request(triton_server, demo_model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    code = bench_main([
+        "--url", triton_server.grpc_url, "--tokenizer", str(demo_model_dir), "--concurrency", "3",
+        "--num-requests", "6", "--input-len", "uniform:8:40", "--output-len", "8", "--seed", "11",
+        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--progress-interval", "1",
+        "--out-json", str(out), "--out-md", str(tmp_path / "bench.md"), "--out-plot", str(tmp_path / "bench.png"),
+    ])
+    assert code == 0
+    document = json.loads(out.read_text())
+    assert document["model"] == "llm" and document["git"]["commit"]
+    assert document["machine"]["cpu_count"] >= 1
+    assert document["server_model_config"]["parameters"]["max_model_len"]
+    (run,) = document["runs"]
+    metrics = run["metrics"]
+    assert run["arrival"] == {"kind": "concurrency", "value": 3.0, "label": "concurrency=3"}
+    assert (metrics["num_requests"], metrics["num_completed"], metrics["num_errors"]) == (6, 6, 0)
+    assert metrics["total_output_tokens"] == 48 and metrics["num_good"] == 6
+    assert metrics["ttft_ms"]["count"] == 6 and metrics["tpot_ms"]["count"] == 6
+    assert metrics["itl_ms"]["count"] >= 6  # at least one gap per request (tokens may share a response)
+    assert run["num_mismatched_lengths"] == 0
+    for row in run["requests"]:
+        assert row["error"] is None and row["finish_reason"] == "length"
+        assert row["output_tokens"] == 8 and row["input_tokens"] == row["expected_input_tokens"]
+    assert "| concurrency=3 | 6 | 0 |" in (tmp_path / "bench.md").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_perf_analyzer_streaming_sweep(triton_server, tmp_path):
+    problem = ensure_perf_analyzer()
+    if problem:
+        pytest.skip(f"perf_analyzer cannot run here: {problem}")
+    out_dir = tmp_path / "pa"
+    code = perf_analyzer_main([
+        "--url", triton_server.grpc_url, "--concurrency-range", "1:2:1", "--input-len", "24",
+        "--output-len", "8", "--num-prompts", "8", "--measurement-request-count", "4",
+        "--stability-percentage", "999", "--max-trials", "3", "--out-dir", str(out_dir),
+    ])
+    assert code == 0, (out_dir / "perf_analyzer.log").read_text()[-3000:]
+    rows = list(csv.DictReader((out_dir / "perf_analyzer.csv").open()))
+    assert [row["Concurrency"] for row in rows] == ["1", "2"]
+    assert all(float(row["Inferences/Second"]) > 0 for row in rows)
+    export = json.loads((out_dir / "profile_export.json").read_text())
+    requests = [r for experiment in export["experiments"] for r in experiment["requests"]]
+    assert requests and all(len(r["response_timestamps"]) == 8 for r in requests)  # one response per token
+
+
+def test_genai_perf_profile(triton_server, tmp_path):
+    problem = ensure_perf_analyzer()
+    if problem:
+        pytest.skip(f"genai-perf drives perf_analyzer, which cannot run here: {problem}")
+    if find_genai_perf() is None:
+        pytest.skip("genai-perf is not installed (pip install -e '.[perf]' installs genai-perf==0.0.8)")
+    out_dir = tmp_path / "gp"
+    code = genai_perf_main([
+        "--url", triton_server.grpc_url, "--concurrency", "2", "--input-len", "24", "--output-len", "8",
+        "--num-prompts", "8", "--out-dir", str(out_dir),
+        "--", "--", "--measurement-mode", "count_windows", "--measurement-request-count", "4", "-s", "999", "-r", "3",
+    ])
+    log = (out_dir / "concurrency2" / "genai_perf.log").read_text()
+    assert code == 0, log[-3000:]
+    report = json.loads((out_dir / "concurrency2" / "profile_export_genai_perf.json").read_text())
+    assert report["request_throughput"]["avg"] > 0
+    assert report["time_to_first_token"]["avg"] > 0 and report["inter_token_latency"]["avg"] > 0
