@@ -8,7 +8,8 @@ come from an --input-data JSON written here: --num-prompts prompts of exactly --
 (the model's tokenizer; distinct prompts so the prefix cache does not make every request a hit),
 with max_tokens=--output-len, ignore_eos=true and stream=true. The report folder
 (default perf/results/perf_analyzer/<UTC time>) keeps the input JSON, perf_analyzer's CSV (-f),
-its profile export (per-request and per-response timestamps) and its console log.
+its profile export (per-request and per-response timestamps), token_metrics.json (that export
+read with client.bench's TTFT/ITL/TPOT definitions) and its console log.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from client.bench.prompts import PromptBuilder
 from perf.perf_analyzer_env import find_perf_analyzer, perf_analyzer_environment, perf_analyzer_problem
+from perf.profile_export_stats import summarize_export
 from perf.served import REPO_ROOT, RESULTS_DIR, add_server_arguments, served
 
 
@@ -101,6 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                 if process.poll() is None:
                     process.kill()
                     process.wait()
+    export = out_dir / "profile_export.json"
+    if code == 0 and export.exists():  # the same run read with client.bench's definitions
+        rows = summarize_export(export)
+        (out_dir / "token_metrics.json").write_text(json.dumps(rows, indent=2) + "\n")
+        for row in rows:
+            m = row["metrics"]
+            print(f"{row['label']}: {m['output_token_throughput']:.1f} out tok/s, TTFT p50/p99 "
+                  f"{m['ttft_ms']['p50']:.1f}/{m['ttft_ms']['p99']:.1f} ms, ITL p50/p99 "
+                  f"{m['itl_ms']['p50']:.1f}/{m['itl_ms']['p99']:.1f} ms (client.bench definitions)")
     print(f"perf_analyzer exited with {code}; reports in {out_dir}")
     return code
 
