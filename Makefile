@@ -3,10 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
-EXTRAS ?= dev
+EXTRAS ?= dev,perf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean
+.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean bench bench-engine perf-analyzer genai-perf idle-cpu
 
 setup: $(STAMP) system-deps demo-model
 
@@ -46,6 +46,22 @@ test-kernels: setup
 
 test-integration: setup
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+# Benchmarks (numbers, not tests): each starts its own server where it needs one. See perf/RESULTS.md.
+bench: setup
+	$(PY) -m perf.run_client_bench -- --concurrency 1,8,32 --num-requests 64 --input-len 128 --output-len 64
+
+bench-engine: setup
+	$(PY) -m perf.bench_engine --out-json perf/results/engine_vs_static.json
+
+perf-analyzer: setup
+	$(PY) -m perf.run_perf_analyzer
+
+genai-perf: setup
+	$(PY) -m perf.run_genai_perf
+
+idle-cpu: setup
+	$(PY) -m perf.idle_cpu
 
 lint: setup
 	$(VENV)/bin/ruff check backend client tests perf
