@@ -1,6 +1,11 @@
 """Stream one generation from the `llm` model and print it as it arrives.
 
     python -m client.generate "The quick brown fox" --max-tokens 64 [--url localhost:8001] [--json]
+        [--session-id ID]
+
+Every stream carries the routing header of client.routing (``x-session-id``): the session id when
+given, otherwise a stable hash of the prompt's first block of text, so that behind nginx
+(deploy/nginx.conf) the same session or prefix reaches the same replica and its prefix cache.
 
 Ends with time to first token and tokens per second (client-side, gRPC streaming). ``--json``
 prints one machine-readable object instead of the streamed text.
@@ -13,6 +18,7 @@ import json
 import sys
 import time
 
+from client.routing import routing_headers
 from client.stream import StreamingClient
 
 
@@ -32,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-stream", action="store_true", help="one response with all the text")
     parser.add_argument("--include-prompt", action="store_true", help="echo the prompt (exclude_input_in_output=false)")
     parser.add_argument("--sampling-parameters", default=None, help="JSON object with vLLM-style keys")
+    parser.add_argument("--session-id", default=None,
+                        help="routing header for replica affinity (default: a hash of the prompt's first block)")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser
@@ -58,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             printed = len(result.text)
 
     try:
-        with StreamingClient(args.url, args.model) as client:
+        headers = routing_headers(prompt, session_id=args.session_id)
+        with StreamingClient(args.url, args.model, headers=headers) as client:
             start = time.monotonic()
             rid = client.send(prompt, **options)
             result = client.collect([rid], {rid: start}, args.timeout, on_response=show)[rid]

@@ -102,12 +102,15 @@ def _read_response(result: StreamResult, response, now: float) -> None:
 class StreamingClient:
     """One gRPC stream to the server; runs requests one after another or several at once."""
 
-    def __init__(self, url: str, model_name: str = "llm"):
+    def __init__(self, url: str, model_name: str = "llm", headers: dict[str, str] | None = None):
+        """``headers``: gRPC metadata sent when the stream opens, e.g. client.routing's session header
+        (a proxy routes the whole stream by it, so every request on it reaches the same replica)."""
         self.url = url
         self.model_name = model_name
         self.client = grpcclient.InferenceServerClient(url=url)
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
-        self.client.start_stream(callback=lambda result, error: self._responses.put((time.monotonic(), result, error)))
+        self.client.start_stream(callback=lambda result, error: self._responses.put((time.monotonic(), result, error)),
+                                 headers=headers)
 
     def close(self, cancel_requests: bool = False) -> None:
         self.client.stop_stream(cancel_requests=cancel_requests)

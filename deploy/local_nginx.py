@@ -1,0 +1,141 @@
+"""Runs deploy/nginx.conf on loopback, in front of tritonservers started by backend.launcher.
+
+The compose file's nginx routes to ``triton-N:8001``; tests and benchmarks here have no Docker, so
+they render the same file with the upstream servers replaced by ``127.0.0.1:<port>`` lines and the
+listen address by a loopback port, keeping every routing directive as it is (``hash`` or the
+default round-robin can be chosen for the benchmark's comparison). nginx comes from Debian;
+``find_nginx`` installs it with apt-get when it is missing and this process may do so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+NGINX_CONF = Path(__file__).resolve().parent / "nginx.conf"
+HASH_DIRECTIVE = "hash $http_x_session_id consistent;"
+_SERVERS = re.compile(r"# upstream-servers-begin\n.*?# upstream-servers-end", re.S)
+_SERVER_LINE = re.compile(r"^\s*server (\S+) (.*);$", re.M)
+_LISTEN = re.compile(r"listen 8001 http2;")
+
+
+class NginxUnavailable(RuntimeError):
+    """nginx is not installed and could not be installed here."""
+
+
+def find_nginx(install: bool = True) -> str:
+    """The nginx binary; installs Debian's package first when missing and we are root with apt."""
+    found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
+    if found:
+        return found
+    if not install:
+        raise NginxUnavailable("nginx is not installed")
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        raise NginxUnavailable("nginx is not installed and apt-get is unavailable (or not root)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "nginx-light"]):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0 and "nginx-light" in command:  # newer Debian: only "nginx"
+            done = subprocess.run(command[:-1] + ["nginx"], env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise NginxUnavailable(f"`{' '.join(command)}` failed: {done.stderr.strip()[-300:]}")
+    found = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    if not found:
+        raise NginxUnavailable("apt-get installed nginx but no nginx binary was found")
+    return found
+
+
+def render(listen_port: int, upstream_ports: list[int], consistent_hash: bool = True,
+           temp_dir: Path | None = None, conf_text: str | None = None) -> str:
+    """deploy/nginx.conf with loopback upstreams and listen port (routing directives untouched)."""
+    text = NGINX_CONF.read_text() if conf_text is None else conf_text
+    match = _SERVERS.search(text)
+    if match is None or HASH_DIRECTIVE not in text or not _LISTEN.search(text):
+        raise ValueError("deploy/nginx.conf lost its upstream markers, hash directive or listen line")
+    options = _SERVER_LINE.findall(match.group(0))[0][1]  # max_fails/fail_timeout as in the file
+    servers = "".join(f"server 127.0.0.1:{port} {options};\n        " for port in upstream_ports)
+    text = text[: match.start()] + servers.rstrip() + text[match.end():]
+    text = _LISTEN.sub(f"listen 127.0.0.1:{listen_port} http2;", text)
+    if not consistent_hash:  # round-robin, the baseline of perf/bench_affinity.py
+        text = text.replace(HASH_DIRECTIVE, "# round-robin (no hash)")
+    if temp_dir is not None:  # the distribution's compiled-in temp folders may not be writable
+        temps = "".join(f"    {kind}_temp_path {temp_dir / kind};\n"
+                        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        text = text.replace("http {\n", "http {\n" + temps, 1)
+    return text
+
+
+def _port_open(port: int) -> bool:
+    with contextlib.closing(socket.socket()) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class LocalNginx:
+    """An nginx master process (and its worker) in its own process group; stop() always kills it."""
+
+    process: subprocess.Popen
+    listen_port: int
+    prefix: Path
+    _owns_prefix: bool = True
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.listen_port}"
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        path = self.prefix / "error.log"
+        return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)  # fast shutdown of master and workers
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # a worker must not outlive its master
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+        if self._owns_prefix:
+            shutil.rmtree(self.prefix, ignore_errors=True)
+
+    def __enter__(self) -> LocalNginx:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def start_nginx(listen_port: int, upstream_ports: list[int], consistent_hash: bool = True,
+                nginx_binary: str | None = None, ready_timeout: float = 15.0) -> LocalNginx:
+    """Starts nginx in the foreground (``daemon off``) on ``listen_port``; returns once it listens."""
+    binary = nginx_binary or find_nginx()
+    prefix = Path(tempfile.mkdtemp(prefix="nginx-"))
+    conf = prefix / "nginx.conf"
+    conf.write_text(render(listen_port, upstream_ports, consistent_hash, temp_dir=prefix))
+    command = [binary, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log"),
+               "-g", f"daemon off; error_log {prefix / 'error.log'} info;"]
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    server = LocalNginx(process, listen_port, prefix)
+    deadline = time.monotonic() + ready_timeout
+    while not _port_open(listen_port):
+        if process.poll() is not None or time.monotonic() > deadline:
+            tail = server.log_tail()
+            server.stop()
+            raise RuntimeError(f"nginx did not start on port {listen_port}:\n{tail}")
+        time.sleep(0.05)
+    return server
