@@ -1,0 +1,429 @@
+"""Engine ablations: what continuous batching, prefix caching, chunked prefill and paging each buy.
+
+Each ablation runs our own engine in-process (no server) on the demo model twice, with a feature on
+and off, on the same seeded workload in the same run, and reports one ratio:
+
+1. ``inflight``: continuous (inflight) batching vs request-level static batching (admit a batch of
+   B requests, run until all finish, only then admit the next), same max_num_seqs = B; output tok/s.
+2. ``prefix_caching``: on vs off on a shared-prefix workload (N system prompts reused by many
+   requests with unique suffixes), requests one at a time so TTFT is prefill work, not queueing;
+   TTFT p50 (the two engines alternate request by request, so machine noise hits both alike).
+3. ``chunked_prefill``: on (small token budget) vs off (budget >= max_model_len) when long prompts
+   arrive among running decodes; ITL p99 of the decoding requests.
+4. ``paged_kv``: with a fixed pool of K blocks, how many requests of a chat-like mix run at once
+   with paging (measured: peak num_running of the engine with a large max_num_seqs) vs reserving
+   max_model_len tokens per request (computed: K * block_size // max_model_len).
+
+Arrivals are simulated on the engine's clock: the driver steps the engine in a loop and adds a
+request when its arrival condition holds (all at start, when the engine is idle for static
+batching, or at a given step index). TTFT = arrival to first token; ITL = gaps between a
+request's token outputs (timestamps taken right after each step).
+
+    .venv/bin/python -m perf.ablations [--only NAME] [--smoke] [--out-json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ABLATIONS = ("inflight", "prefix_caching", "chunked_prefill", "paged_kv")
+PROGRESS_INTERVAL_S = 5.0
+
+# Workload sizes: "full" for the measured run, "smoke" for the unit test (seconds, not minutes).
+SIZES = {
+    "full": {
+        "inflight": {"num_requests": 48, "prompt_range": (32, 256), "output_range": (16, 128), "batch_size": 16},
+        "prefix_caching": {"num_system_prompts": 4, "system_len": 512, "num_requests": 24, "suffix_len": 32,
+                           "output_len": 16},
+        "chunked_prefill": {"num_decoders": 8, "decoder_prompt_range": (32, 64), "decoder_output_len": 128,
+                            "long_prompt_len": 2000, "long_output_len": 8, "long_arrival_steps": (8, 36, 64, 92),
+                            "max_model_len": 4096, "chunk_budget": 512},
+        "paged_kv": {"num_requests": 48, "num_blocks": 512, "max_model_len": 2048, "prompt_median": 256,
+                     "output_median": 128},
+    },
+    "smoke": {
+        "inflight": {"num_requests": 4, "prompt_range": (8, 16), "output_range": (2, 3), "batch_size": 2},
+        "prefix_caching": {"num_system_prompts": 2, "system_len": 32, "num_requests": 4, "suffix_len": 8,
+                           "output_len": 2},
+        "chunked_prefill": {"num_decoders": 2, "decoder_prompt_range": (8, 16), "decoder_output_len": 6,
+                            "long_prompt_len": 64, "long_output_len": 2, "long_arrival_steps": (1, 3),
+                            "max_model_len": 256, "chunk_budget": 32},
+        "paged_kv": {"num_requests": 4, "num_blocks": 32, "max_model_len": 256, "prompt_median": 16,
+                     "output_median": 4},
+    },
+}
+
+
+# ------------------------------------------------------------------------------------ helpers
+def percentile(values, q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100), like numpy's default; nan when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(3, vocab_size) for _ in range(n)]  # 0-2 are pad/bos/eos
+
+
+def make_engine(model_folder: str, overrides: dict[str, str]):
+    from backend.config import engine_config_from_model_folder
+    from backend.engine import LLMEngine
+    from backend.request import SamplingParams
+
+    engine = LLMEngine(engine_config_from_model_folder(model_folder, **overrides))
+    # Warm-up (first-call allocations), then forget its prefix blocks so they cannot be hit.
+    engine.generate([[1, 5, 6, 7, 8, 9, 10, 11]], [SamplingParams(max_tokens=2, ignore_eos=True)])
+    engine.kv_cache_manager.reset_prefix_cache()
+    return engine
+
+
+class Progress:
+    def __init__(self, label: str):
+        self.label, self.start, self.last = label, time.perf_counter(), time.perf_counter()
+
+    def maybe(self, text_fn) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_INTERVAL_S:
+            self.last = now
+            print(f"  [{self.label} {now - self.start:5.0f} s] {text_fn()}", flush=True)
+
+
+def drive(engine, requests: list[dict], label: str, *, static_batch: int = 0, arrive_at_start: bool = True,
+          on_step=None) -> dict:
+    """Runs ``requests`` (dicts: prompt, max_tokens, optional at_step) through ``engine`` to the end.
+
+    static_batch > 0: request-level batching: the next ``static_batch`` requests are added only
+    when the engine has nothing unfinished. Otherwise a request is added once ``at_step`` (default
+    0) steps have run. Arrival time: the run's start when ``arrive_at_start`` (the requests were
+    all queued then), else the moment it is added. Returns per-request token times and totals.
+    """
+    from backend.request import SamplingParams
+
+    pending = list(range(len(requests)))
+    records = [{"arrival": None, "token_times": [], "first_token_time": None, "num_output_tokens": 0,
+                "finish_reason": None, "num_cached_tokens": 0} for _ in requests]
+    progress = Progress(label)
+    start = time.monotonic()
+    steps, num_tokens, peak_running, running_sum = 0, 0, 0, 0
+    while pending or engine.has_unfinished_requests():
+        if static_batch:
+            to_add = pending[:static_batch] if not engine.has_unfinished_requests() else []
+        else:
+            to_add = [i for i in pending if requests[i].get("at_step", 0) <= steps]
+        now = time.monotonic()
+        for i in to_add:
+            request = requests[i]
+            arrival = start if arrive_at_start else now
+            records[i]["arrival"] = arrival
+            engine.add_request(f"{label}-{i}", prompt_token_ids=request["prompt"], arrival_time=arrival,
+                               sampling_params=SamplingParams(max_tokens=request["max_tokens"], ignore_eos=True))
+        if to_add:
+            added = set(to_add)
+            pending = [i for i in pending if i not in added]
+        if not engine.has_unfinished_requests():  # waiting for a step-indexed arrival
+            steps += 1
+            continue
+        outputs = engine.step()
+        now = time.monotonic()
+        steps += 1
+        running = engine.stats().num_running + sum(1 for o in outputs if o.finished)  # as scheduled
+        peak_running = max(peak_running, running)
+        running_sum += running
+        if on_step is not None:
+            on_step(engine, running)
+        for output in outputs:
+            record = records[int(output.request_id.rsplit("-", 1)[1])]
+            record["token_times"].extend([now] * len(output.new_token_ids))
+            record["num_output_tokens"] = output.num_output_tokens
+            num_tokens += len(output.new_token_ids)
+            if output.first_token_time is not None and record["first_token_time"] is None:
+                record["first_token_time"] = output.first_token_time
+            if output.finished:
+                record["finish_reason"] = str(output.finish_reason)
+                record["num_cached_tokens"] = output.num_cached_tokens
+        progress.maybe(lambda: f"step {steps}, {num_tokens} tokens, {engine.stats().num_running} running, "
+                               f"{engine.num_waiting} waiting, {len(pending)} not yet arrived")
+    seconds = time.monotonic() - start
+    for record in records:
+        record["ttft"] = record["first_token_time"] - record["arrival"] if record["first_token_time"] else None
+        times = record["token_times"]
+        record["itls"] = [b - a for a, b in zip(times, times[1:])]
+    stats = engine.stats()
+    return {"records": records, "seconds": seconds, "steps": steps, "output_tokens": num_tokens,
+            "peak_running": peak_running, "mean_running": running_sum / max(steps, 1),
+            "preemptions": stats.num_preemptions, "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits}
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def print_table(header: list[str], rows: list[list]) -> None:
+    print("\n| " + " | ".join(header) + " |")
+    print("| --- | " + " | ".join("---:" for _ in header[1:]) + " |")
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
+    print(flush=True)
+
+
+# ------------------------------------------------------------------------------------ ablations
+def ablation_inflight(model_folder: str, vocab: int, size: dict, seed: int) -> dict:
+    """Continuous vs request-level static batching, same engine, same max_num_seqs = B."""
+    rng = random.Random(seed)
+    batch = size["batch_size"]
+    workload = [{"prompt": [1] + random_tokens(rng, rng.randint(*size["prompt_range"]) - 1, vocab),
+                 "max_tokens": rng.randint(*size["output_range"])} for _ in range(size["num_requests"])]
+    overrides = {"max_num_seqs": str(batch)}
+    engine = make_engine(model_folder, overrides)  # one engine for both: same weights, same warm-up
+    results = {}
+    for name, static in (("continuous", 0), ("static", batch)):
+        engine.kv_cache_manager.reset_prefix_cache()  # no hits on the other run's prompts
+        results[name] = drive(engine, workload, f"inflight/{name}", static_batch=static)
+    del engine
+    rows = []
+    summary = {}
+    for name, result in results.items():
+        ttfts = [r["ttft"] for r in result["records"]]
+        tok_s = result["output_tokens"] / result["seconds"]
+        summary[name] = {"output_tokens": result["output_tokens"], "seconds": result["seconds"], "tokens_per_s": tok_s,
+                         "steps": result["steps"], "mean_running": result["mean_running"],
+                         "ttft_p50_s": percentile(ttfts, 50), "num_finished": sum(1 for r in result["records"] if r["finish_reason"])}
+        rows.append([name, result["output_tokens"], f"{result['seconds']:.1f}", f"{tok_s:.1f}", result["steps"],
+                     f"{result['mean_running']:.1f}", ms(percentile(ttfts, 50))])
+    print_table(["batching", "output tokens", "seconds", "output tok/s", "steps", "mean running", "TTFT p50 ms"], rows)
+    ratio = summary["continuous"]["tokens_per_s"] / summary["static"]["tokens_per_s"]
+    return {"metric": "output tok/s, continuous / static", "ratio": ratio, "target": None, "results": summary,
+            "workload": {**size, "num_requests": len(workload), "output_tokens": sum(w["max_tokens"] for w in workload)},
+            "overrides": overrides}
+
+
+def ablation_prefix_caching(model_folder: str, vocab: int, size: dict, seed: int) -> dict:
+    """TTFT with prefix caching on vs off; requests one at a time, the two engines alternating."""
+    rng = random.Random(seed)
+    systems = [[1] + random_tokens(rng, size["system_len"] - 1, vocab) for _ in range(size["num_system_prompts"])]
+    workload = [{"prompt": systems[i % len(systems)] + random_tokens(rng, size["suffix_len"], vocab),
+                 "max_tokens": size["output_len"]} for i in range(size["num_requests"])]
+    rng.shuffle(workload)
+    engines = {name: make_engine(model_folder, {"enable_prefix_caching": flag})
+               for name, flag in (("caching on", "true"), ("caching off", "false"))}
+    per_engine: dict[str, list[dict]] = {name: [] for name in engines}
+    totals: dict[str, dict] = {name: {"seconds": 0.0, "steps": 0} for name in engines}
+    progress = Progress("prefix_caching")
+    for index, request in enumerate(workload):
+        order = list(engines) if index % 2 == 0 else list(reversed(engines))  # alternate who goes first
+        for name in order:
+            result = drive(engines[name], [request], f"prefix/{name.replace(' ', '_')}/{index}", arrive_at_start=True)
+            per_engine[name].extend(result["records"])
+            totals[name]["seconds"] += result["seconds"]
+            totals[name]["steps"] += result["steps"]
+        progress.maybe(lambda: f"{index + 1}/{len(workload)} requests on both engines")
+    summary, rows = {}, []
+    for name, engine in engines.items():
+        stats = engine.stats()
+        ttfts = [r["ttft"] for r in per_engine[name]]
+        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        summary[name] = {"ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+                         "ttft_mean_s": sum(ttfts) / len(ttfts), "prefix_cache_queries": stats.prefix_cache_queries,
+                         "prefix_cache_hits": stats.prefix_cache_hits, "hit_rate": hit_rate,
+                         "num_finished": sum(1 for r in per_engine[name] if r["finish_reason"]),
+                         "output_tokens": sum(r["num_output_tokens"] for r in per_engine[name]),
+                         "cached_tokens": sum(r["num_cached_tokens"] for r in per_engine[name]), **totals[name]}
+        rows.append([name, len(ttfts), ms(summary[name]["ttft_p50_s"]), ms(summary[name]["ttft_p90_s"]),
+                     ms(summary[name]["ttft_mean_s"]), f"{hit_rate:.1%}", summary[name]["cached_tokens"]])
+    print_table(["prefix caching", "requests", "TTFT p50 ms", "TTFT p90 ms", "TTFT mean ms", "hit rate (tokens)",
+                 "cached prompt tokens"], rows)
+    ratio = summary["caching off"]["ttft_p50_s"] / summary["caching on"]["ttft_p50_s"]
+    return {"metric": "TTFT p50, off / on", "ratio": ratio, "target": 3.0, "results": summary,
+            "hit_rate": summary["caching on"]["hit_rate"],
+            "workload": {**size, "prompt_tokens": sum(len(w["prompt"]) for w in workload)}}
+
+
+def ablation_chunked_prefill(model_folder: str, vocab: int, size: dict, seed: int) -> dict:
+    """ITL of running decodes when long prompts arrive, chunked prefill on vs off."""
+    rng = random.Random(seed)
+    decoders = [{"prompt": [1] + random_tokens(rng, rng.randint(*size["decoder_prompt_range"]) - 1, vocab),
+                 "max_tokens": size["decoder_output_len"], "at_step": 0} for _ in range(size["num_decoders"])]
+    longs = [{"prompt": [1] + random_tokens(rng, size["long_prompt_len"] - 1, vocab),
+              "max_tokens": size["long_output_len"], "at_step": step} for step in size["long_arrival_steps"]]
+    workload = decoders + longs
+    max_len = size["max_model_len"]
+    configs = {
+        "chunked on": {"max_model_len": str(max_len), "max_num_batched_tokens": str(size["chunk_budget"]),
+                       "enable_chunked_prefill": "true"},
+        "chunked off": {"max_model_len": str(max_len), "max_num_batched_tokens": str(max_len),
+                        "enable_chunked_prefill": "false"},
+    }
+    summary, rows = {}, []
+    for name, overrides in configs.items():
+        engine = make_engine(model_folder, overrides)
+        result = drive(engine, workload, f"chunked/{name.replace(' ', '_')}", arrive_at_start=False)
+        del engine
+        decode_records = result["records"][:len(decoders)]
+        long_records = result["records"][len(decoders):]
+        itls = [itl for r in decode_records for itl in r["itls"]]
+        long_ttfts = [r["ttft"] for r in long_records]
+        summary[name] = {"itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99), "itl_max_s": max(itls),
+                         "num_itls": len(itls), "long_ttft_p50_s": percentile(long_ttfts, 50),
+                         "seconds": result["seconds"], "steps": result["steps"], "output_tokens": result["output_tokens"],
+                         "num_finished": sum(1 for r in result["records"] if r["finish_reason"]),
+                         "overrides": overrides}
+        s = summary[name]
+        rows.append([name, overrides["max_num_batched_tokens"], s["num_itls"], ms(s["itl_p50_s"]), ms(s["itl_p99_s"]),
+                     ms(s["itl_max_s"]), ms(s["long_ttft_p50_s"]), result["steps"], f"{result['seconds']:.1f}"])
+    print_table(["prefill", "token budget", "decode ITLs", "ITL p50 ms", "ITL p99 ms", "ITL max ms",
+                 "long-prompt TTFT p50 ms", "steps", "seconds"], rows)
+    ratio = summary["chunked off"]["itl_p99_s"] / summary["chunked on"]["itl_p99_s"]
+    return {"metric": "decode ITL p99, off / on", "ratio": ratio, "target": 2.0, "results": summary,
+            "workload": {**size, "num_requests": len(workload)}}
+
+
+def chat_like_lengths(rng: random.Random, n: int, size: dict) -> list[tuple[int, int]]:
+    """Lognormal prompt and output lengths (median ``prompt_median`` / ``output_median``, long tails)."""
+    max_len = size["max_model_len"]
+    lengths = []
+    for _ in range(n):
+        prompt = int(min(max(rng.lognormvariate(math.log(size["prompt_median"]), 0.8), 4), max_len * 3 // 4))
+        output = int(min(max(rng.lognormvariate(math.log(size["output_median"]), 0.7), 2), max_len - prompt - 1))
+        lengths.append((prompt, output))
+    return lengths
+
+
+def ablation_paged_kv(model_folder: str, vocab: int, size: dict, seed: int) -> dict:
+    """Concurrent requests in a K-block pool: paging (measured) vs max_model_len reservation (computed)."""
+    from backend.model_runner import kv_cache_bytes_per_block
+
+    rng = random.Random(seed)
+    lengths = chat_like_lengths(rng, size["num_requests"], size)
+    workload = [{"prompt": [1] + random_tokens(rng, p - 1, vocab), "max_tokens": o} for p, o in lengths]
+    usable = size["num_blocks"]
+    overrides = {"num_kv_blocks": str(usable + 1), "max_model_len": str(size["max_model_len"]),
+                 "max_num_seqs": str(max(256, size["num_requests"])), "enable_prefix_caching": "false"}
+    engine = make_engine(model_folder, overrides)
+    block_size = engine.config.cache.block_size
+    bytes_per_block = kv_cache_bytes_per_block(engine.hf_config, block_size, engine.dtype)
+    saturated = []  # num_running in steps where requests still waited for room
+
+    def on_step(eng, running):
+        if eng.num_waiting:
+            saturated.append(running)
+
+    result = drive(engine, workload, "paged_kv", on_step=on_step)
+    del engine
+    paged_peak = result["peak_running"]
+    paged_saturated = sum(saturated) / len(saturated) if saturated else float(paged_peak)
+    contiguous = usable * block_size // size["max_model_len"]
+    mean_blocks = sum(math.ceil((p + o) / block_size) for p, o in lengths) / len(lengths)
+    summary = {
+        "num_blocks": usable, "block_size": block_size, "kv_bytes": usable * bytes_per_block,
+        "max_model_len": size["max_model_len"], "contiguous_capacity": contiguous, "paged_peak_running": paged_peak,
+        "paged_mean_running_saturated": paged_saturated, "paged_final_length_capacity": usable / mean_blocks,
+        "mean_prompt_tokens": sum(p for p, _ in lengths) / len(lengths),
+        "mean_output_tokens": sum(o for _, o in lengths) / len(lengths), "preemptions": result["preemptions"],
+        "seconds": result["seconds"], "steps": result["steps"], "output_tokens": result["output_tokens"],
+        "num_finished": sum(1 for r in result["records"] if r["finish_reason"]),
+    }
+    mib = summary["kv_bytes"] / 2**20
+    rows = [
+        ["contiguous (max_model_len reserved)", f"{contiguous}", f"{usable} x {block_size} tokens ({mib:.0f} MiB)",
+         f"{usable * block_size} // {size['max_model_len']}"],
+        ["paged, peak num_running (measured)", f"{paged_peak}", "same", f"{result['preemptions']} preemptions"],
+        ["paged, mean num_running while queue non-empty", f"{paged_saturated:.1f}", "same", f"{len(saturated)} steps"],
+        ["paged, pool / mean final-length blocks (computed)", f"{usable / mean_blocks:.1f}", "same",
+         f"mean {mean_blocks:.1f} blocks/request"],
+    ]
+    print_table(["KV layout", "concurrent requests", "KV pool", "note"], rows)
+    ratio = paged_peak / contiguous if contiguous else float("inf")
+    return {"metric": "concurrent requests, paged peak / contiguous", "ratio": ratio, "target": 3.0,
+            "ratio_mean_saturated": paged_saturated / contiguous if contiguous else float("inf"),
+            "results": summary, "workload": {**size, "output_tokens": sum(o for _, o in lengths)},
+            "overrides": overrides}
+
+
+RUNNERS = {"inflight": ablation_inflight, "prefix_caching": ablation_prefix_caching,
+           "chunked_prefill": ablation_chunked_prefill, "paged_kv": ablation_paged_kv}
+
+
+def run_ablations(names, model_folder: str, smoke: bool = False, seed: int = 0) -> dict:
+    from backend.config import engine_config_from_model_folder
+    from transformers import AutoConfig
+
+    config = engine_config_from_model_folder(model_folder)
+    vocab = AutoConfig.from_pretrained(config.model.model_dir).vocab_size
+    sizes = SIZES["smoke" if smoke else "full"]
+    ablations = {}
+    for name in names:
+        print(f"\n## {name}", flush=True)
+        start = time.perf_counter()
+        ablations[name] = RUNNERS[name](model_folder, vocab, sizes[name], seed)
+        ablations[name]["wall_s"] = time.perf_counter() - start
+        target = ablations[name]["target"]
+        ablations[name]["met"] = None if target is None else ablations[name]["ratio"] >= target
+    return ablations
+
+
+def print_summary(ablations: dict) -> None:
+    rows = []
+    for name, result in ablations.items():
+        target = result["target"]
+        met = "n/a" if target is None else ("yes" if result["met"] else "**no**")
+        rows.append([name, result["metric"], f"{result['ratio']:.2f}x", "report only" if target is None else f">= {target:g}x",
+                     met, f"{result['wall_s']:.0f} s"])
+    print("\n## summary")
+    print_table(["ablation", "metric", "ratio", "target", "met", "wall"], rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.ablations", description=__doc__.splitlines()[0])
+    parser.add_argument("--model-folder", default=str(REPO_ROOT / "model_repository" / "llm"),
+                        help="a model folder whose config.pbtxt configures the engine")
+    parser.add_argument("--only", choices=ABLATIONS, action="append", default=None,
+                        help="run only this ablation (repeatable)")
+    parser.add_argument("--smoke", action="store_true", help="toy sizes (seconds): checks the plumbing, not the ratios")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    names = args.only or list(ABLATIONS)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    ablations = run_ablations(names, args.model_folder, smoke=args.smoke, seed=args.seed)
+    print_summary(ablations)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "backend", "models", "model_repository"],
+                           cwd=REPO_ROOT, capture_output=True, text=True).stdout.split("\n")
+    from backend.config import engine_config_from_model_folder
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    record = {"ablations": ablations, "commit": commit,
+              "uncommitted_engine_files": [line[3:] for line in dirty if line.strip()], "date": started.isoformat(timespec="seconds"),
+              "command": "python -m perf.ablations " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "smoke": args.smoke, "seed": args.seed,
+              "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                          "platform": platform.platform(), "loadavg_end": load},
+              "config": str(engine_config_from_model_folder(args.model_folder))}
+    if args.out_json:
+        args.out_json.parent.mkdir(parents=True, exist_ok=True)
+        args.out_json.write_text(json.dumps(record, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
