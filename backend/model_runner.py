@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     if not args.skip_static:
         results["transformers_static"] = run_static(config.model.model_dir, workload, args.static_batch_size)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
-    print(f"\n| system | output tokens | seconds | output tok/s |\n| --- | ---: | ---: | ---: |")
+    print("\n| system | output tokens | seconds | output tok/s |\n| --- | ---: | ---: | ---: |")
     for name, result in results.items():
         result["tokens_per_s"] = result["output_tokens"] / result["seconds"]
         print(f"| {name} | {result['output_tokens']} | {result['seconds']:.1f} | {result['tokens_per_s']:.0f} |")

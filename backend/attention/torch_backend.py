@@ -100,7 +100,7 @@ class TorchAttentionBackend:
         decode_row_list: list[int] = []
         prefills: list[_PrefillSeq] = []
         start = 0
-        for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
             if q_len == 1:
                 decode_idx.append(i)
                 decode_row_list.append(start)

@@ -9,6 +9,7 @@ their KV blocks are freed at once.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,23 @@ class ActiveRequest:
     cancelled: bool = False
 
 
+def build_response(pb, text: str, token_ids: list[int], finish_reason: str = "",
+                   counts: tuple[int, int] | None = None):
+    """One `llm` response: text_output, output_ids, finish_reason; the token counts when final.
+
+    Shared by the `llm` responder thread and the `llm_iterative` model so both send the same tensors.
+    """
+    tensors = [
+        pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+        pb.Tensor("output_ids", np.array([token_ids], dtype=np.int32).reshape(1, -1)),
+        pb.Tensor("finish_reason", np.array([[finish_reason.encode()]], dtype=np.object_)),
+    ]
+    if counts is not None:
+        tensors.append(pb.Tensor("num_input_tokens", np.array([[counts[0]]], dtype=np.int32)))
+        tensors.append(pb.Tensor("num_output_tokens", np.array([[counts[1]]], dtype=np.int32)))
+    return pb.InferenceResponse(output_tensors=tensors)
+
+
 class Responder:
     def __init__(self, pb_utils, loop: EngineLoop, metrics: TritonMetrics | None):
         self.pb = pb_utils
@@ -72,7 +90,7 @@ class Responder:
         while True:
             try:
                 item = self.loop.outbox.get(timeout=CANCEL_POLL_SECONDS)
-            except Exception:  # queue.Empty
+            except queue.Empty:
                 item = ()
             if item is None:
                 self._fail_remaining("the model is being unloaded")
@@ -172,16 +190,9 @@ class Responder:
             active.prompt_sent = True  # the first response carries the prompt too
             text = active.prompt + text
             token_ids = list(output.prompt_token_ids or []) + list(token_ids)
-        tensors = [
-            pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
-            pb.Tensor("output_ids", np.array([token_ids], dtype=np.int32).reshape(1, -1)),
-            pb.Tensor("finish_reason", np.array(
-                [[(final.finish_reason.value if final and final.finish_reason else "").encode()]], dtype=np.object_)),
-        ]
-        if final is not None:
-            tensors.append(pb.Tensor("num_input_tokens", np.array([[final.num_prompt_tokens]], dtype=np.int32)))
-            tensors.append(pb.Tensor("num_output_tokens", np.array([[final.num_output_tokens]], dtype=np.int32)))
-        return pb.InferenceResponse(output_tensors=tensors)
+        reason = final.finish_reason.value if final is not None and final.finish_reason else ""
+        counts = (final.num_prompt_tokens, final.num_output_tokens) if final is not None else None
+        return build_response(pb, text, token_ids, reason, counts)
 
     def _fail_remaining(self, message: str) -> None:
         with self._lock:

@@ -105,7 +105,7 @@ def test_greedy_tokens_match_transformers_generate(name, block_size, token_budge
     prompts = _prompts(hf_config.vocab_size, [1, 2, 9, 31, 64, 100, 157, 200], seed=3)
     eos = hf_config.eos_token_id
     outputs = _TinyLoop(runner, prompts, max_tokens, eos, token_budget, num_blocks=256).run()
-    for prompt, ours in zip(prompts, outputs):
+    for prompt, ours in zip(prompts, outputs, strict=True):
         assert ours == reference_greedy(name, tuple(prompt), max_tokens), f"prompt of {len(prompt)} tokens"
 
 
