@@ -44,15 +44,15 @@ PROGRESS_INTERVAL_S = 5.0
 
 # Workload sizes: "full" for the measured run, "smoke" for the unit test (seconds, not minutes).
 SIZES = {
-    "full": {
-        "inflight": {"num_requests": 48, "prompt_range": (32, 256), "output_range": (16, 128), "batch_size": 16},
-        "prefix_caching": {"num_system_prompts": 4, "system_len": 512, "num_requests": 24, "suffix_len": 32,
-                           "output_len": 16},
-        "chunked_prefill": {"num_decoders": 8, "decoder_prompt_range": (32, 64), "decoder_output_len": 128,
-                            "long_prompt_len": 2000, "long_output_len": 8, "long_arrival_steps": (8, 36, 64, 92),
+    "full": {  # sized for ~15 min on 2 cores shared with other jobs (a 512-token step can take 5 s)
+        "inflight": {"num_requests": 24, "prompt_range": (32, 256), "output_range": (16, 64), "batch_size": 8},
+        "prefix_caching": {"num_system_prompts": 4, "system_len": 512, "num_requests": 16, "suffix_len": 32,
+                           "output_len": 8},
+        "chunked_prefill": {"num_decoders": 6, "decoder_prompt_range": (32, 64), "decoder_output_len": 64,
+                            "long_prompt_len": 2000, "long_output_len": 4, "long_arrival_steps": (6, 26, 46),
                             "max_model_len": 4096, "chunk_budget": 512},
-        "paged_kv": {"num_requests": 48, "num_blocks": 512, "max_model_len": 2048, "prompt_median": 256,
-                     "output_median": 128},
+        "paged_kv": {"num_requests": 40, "num_blocks": 512, "max_model_len": 2048, "prompt_median": 192,
+                     "output_median": 96},
     },
     "smoke": {
         "inflight": {"num_requests": 4, "prompt_range": (8, 16), "output_range": (2, 3), "batch_size": 2},
@@ -106,12 +106,13 @@ class Progress:
 
 
 def drive(engine, requests: list[dict], label: str, *, static_batch: int = 0, arrive_at_start: bool = True,
-          on_step=None) -> dict:
+          on_step=None, stop_when_drained: bool = False) -> dict:
     """Runs ``requests`` (dicts: prompt, max_tokens, optional at_step) through ``engine`` to the end.
 
     static_batch > 0: request-level batching: the next ``static_batch`` requests are added only
     when the engine has nothing unfinished. Otherwise a request is added once ``at_step`` (default
-    0) steps have run. Arrival time: the run's start when ``arrive_at_start`` (the requests were
+    0) steps have run. stop_when_drained: stop (aborting what still runs) once every request has
+    arrived and none waits any more: concurrency only falls after that. Arrival time: the run's start when ``arrive_at_start`` (the requests were
     all queued then), else the moment it is added. Returns per-request token times and totals.
     """
     from backend.request import SamplingParams
@@ -158,6 +159,12 @@ def drive(engine, requests: list[dict], label: str, *, static_batch: int = 0, ar
             if output.finished:
                 record["finish_reason"] = str(output.finish_reason)
                 record["num_cached_tokens"] = output.num_cached_tokens
+        if stop_when_drained and not pending and engine.num_waiting == 0:
+            for i, record in enumerate(records):
+                if record["finish_reason"] is None:
+                    engine.abort_request(f"{label}-{i}")
+                    record["finish_reason"] = "abort (run stopped)"
+            break
         progress.maybe(lambda: f"step {steps}, {num_tokens} tokens, {engine.stats().num_running} running, "
                                f"{engine.num_waiting} waiting, {len(pending)} not yet arrived")
     seconds = time.monotonic() - start
@@ -325,7 +332,7 @@ def ablation_paged_kv(model_folder: str, vocab: int, size: dict, seed: int) -> d
         if eng.num_waiting:
             saturated.append(running)
 
-    result = drive(engine, workload, "paged_kv", on_step=on_step)
+    result = drive(engine, workload, "paged_kv", on_step=on_step, stop_when_drained=True)
     del engine
     paged_peak = result["peak_running"]
     paged_saturated = sum(saturated) / len(saturated) if saturated else float(paged_peak)
@@ -338,7 +345,8 @@ def ablation_paged_kv(model_folder: str, vocab: int, size: dict, seed: int) -> d
         "mean_prompt_tokens": sum(p for p, _ in lengths) / len(lengths),
         "mean_output_tokens": sum(o for _, o in lengths) / len(lengths), "preemptions": result["preemptions"],
         "seconds": result["seconds"], "steps": result["steps"], "output_tokens": result["output_tokens"],
-        "num_finished": sum(1 for r in result["records"] if r["finish_reason"]),
+        "num_finished": sum(1 for r in result["records"] if r["finish_reason"] and not r["finish_reason"].startswith("abort")),
+        "num_stopped": sum(1 for r in result["records"] if (r["finish_reason"] or "").startswith("abort")),
     }
     mib = summary["kv_bytes"] / 2**20
     rows = [

@@ -90,8 +90,9 @@ def test_paged_kv_counts(smoke_record):
     result = smoke_record["ablations"]["paged_kv"]
     size = ablations.SIZES["smoke"]["paged_kv"]
     stats = result["results"]
-    assert stats["num_finished"] == size["num_requests"]
-    assert stats["output_tokens"] == result["workload"]["output_tokens"]
+    # The run stops once the queue is drained (concurrency only falls after that).
+    assert stats["num_finished"] + stats["num_stopped"] == size["num_requests"]
+    assert stats["output_tokens"] <= result["workload"]["output_tokens"]
     assert stats["contiguous_capacity"] == size["num_blocks"] * stats["block_size"] // size["max_model_len"]
     assert 1 <= stats["paged_peak_running"] <= size["num_requests"]
     assert result["ratio"] == pytest.approx(stats["paged_peak_running"] / stats["contiguous_capacity"])
