@@ -14,6 +14,7 @@ import time
 import pytest
 
 from backend.launcher import free_port
+from client.generate import main as generate_main
 from client.routing import SESSION_HEADER, prefix_routing_key, routing_headers
 from client.stream import StreamingClient
 from deploy.local_nginx import NginxUnavailable, find_nginx, start_nginx
@@ -64,12 +65,14 @@ def send(proxy, session: str, prompt: str, max_tokens: int = 4):
         client.close(cancel_requests=True)
 
 
-def served_by(replicas, before: list[dict], timeout: float = 10.0) -> tuple[int, list[dict]]:
-    """Index of the one replica whose success counter grew since ``before``, and the new counters."""
+def served_by(replicas, before: list[dict], down: frozenset[int] = frozenset(),
+              timeout: float = 10.0) -> tuple[int, list[dict]]:
+    """Index of the one replica whose success counter grew since ``before``, and the new counters
+    (replicas in ``down`` are stopped: their counters stay as they were)."""
     deadline = time.monotonic() + timeout
     while True:
-        after = [read_counters(r.metrics_url) if not r._stopped else b for r, b in zip(replicas, before)]
-        grown = [i for i, (a, b) in enumerate(zip(after, before)) if a[SUCCESS] > b[SUCCESS]]
+        after = [b if i in down else read_counters(r.metrics_url) for i, (r, b) in enumerate(zip(replicas, before, strict=True))]
+        grown = [i for i, (a, b) in enumerate(zip(after, before, strict=True)) if a[SUCCESS] > b[SUCCESS]]
         if grown or time.monotonic() > deadline:
             assert len(grown) == 1, f"expected exactly one replica to serve the request, got {grown}"
             return grown[0], after
@@ -113,6 +116,13 @@ def test_sessions_stick_to_one_replica_and_fail_over_once(cluster):
                 assert counters[other][PREFIX_HITS] == before[other][PREFIX_HITS]
     assert set(home.values()) == {0, 1}, f"consistent hashing used one replica only: {home}"
 
+    # The command-line client's --session-id reaches the session's replica through the proxy.
+    for session in SESSIONS[:2]:
+        argv = [prompt_for(session, 5), "--url", proxy.url, "--session-id", session, "--max-tokens", "2", "--json"]
+        assert generate_main(argv) == 0
+        replica, counters = served_by(replicas, counters)
+        assert replica == home[session]
+
     # Failover: the replica of SESSIONS[0] goes down while a stream to it is open.
     down = home[SESSIONS[0]]
     survivor = 1 - down
@@ -121,7 +131,8 @@ def test_sessions_stick_to_one_replica_and_fail_over_once(cluster):
     try:
         warm = open_stream.generate(prompt_for(SESSIONS[0], 9), timeout=REQUEST_TIMEOUT_S, max_tokens=2)
         assert warm.error is None
-        counters = [read_counters(r.metrics_url) for r in replicas]
+        replica, counters = served_by(replicas, counters)
+        assert replica == down
         replicas[down].stop(timeout=5)
         failures = 0
         start = time.monotonic()
@@ -130,7 +141,9 @@ def test_sessions_stick_to_one_replica_and_fail_over_once(cluster):
             failures += stale.error is not None
         except Exception:  # noqa: BLE001 (a broken stream may raise instead of reporting an error)
             failures += 1
-        assert time.monotonic() - start < REQUEST_TIMEOUT_S
+        stale_s = time.monotonic() - start
+        assert stale_s < REQUEST_TIMEOUT_S
+        print(f"failover: the open stream's request {'failed' if failures else 'succeeded'} in {stale_s:.2f} s")
     finally:
         try:
             open_stream.close(cancel_requests=True)
@@ -144,12 +157,13 @@ def test_sessions_stick_to_one_replica_and_fail_over_once(cluster):
             if result.error is not None:
                 failures += 1
                 continue
-            replica, counters = served_by(replicas, counters)
+            replica, counters = served_by(replicas, counters, frozenset({down}))
             assert replica == survivor
+    print(f"failover: {failures} failed request(s); sessions {moved} moved to replica {survivor}")
     assert failures <= 1, f"{failures} failed requests after the replica went down\n{proxy.log_tail()}"
     # Sessions of the surviving replica did not move.
     for session in SESSIONS:
         if home[session] == survivor:
             assert send(proxy, session, prompt_for(session, 13)).error is None
-            assert served_by(replicas, counters)[0] == survivor
-            counters = [read_counters(r.metrics_url) if not r._stopped else c for r, c in zip(replicas, counters)]
+            replica, counters = served_by(replicas, counters, frozenset({down}))
+            assert replica == survivor

@@ -86,7 +86,7 @@ def test_triton_services_reserve_a_gpu_mount_the_repo_and_check_readiness(servic
 def test_volumes_match_the_model_repository(services):
     """Every bind source exists; config.pbtxt's model_dir lands on the writable models mount."""
     for name, service in services.items():
-        for target, (source, _mode) in mounts(service).items():
+        for source, _mode in mounts(service).values():
             if source.startswith((".", "/")):
                 path = (REPO_ROOT / source).resolve()
                 assert path.exists() or source == "./models", f"{name}: {source} does not exist"
