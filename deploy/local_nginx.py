@@ -42,10 +42,9 @@ def find_nginx(install: bool = True) -> str:
     if shutil.which("apt-get") is None or os.geteuid() != 0:
         raise NginxUnavailable("nginx is not installed and apt-get is unavailable (or not root)")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "nginx-light"]):
+    # Debian's full "nginx" package: it builds in the grpc module (grpc_pass) that the file needs.
+    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "nginx"]):
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0 and "nginx-light" in command:  # newer Debian: only "nginx"
-            done = subprocess.run(command[:-1] + ["nginx"], env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise NginxUnavailable(f"`{' '.join(command)}` failed: {done.stderr.strip()[-300:]}")
     found = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
