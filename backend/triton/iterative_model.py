@@ -1,0 +1,385 @@
+"""The `llm_iterative` model: Triton's sequence batcher (``iterative_sequence: true``) drives the engine.
+
+The client sends one request; Triton turns it into a sequence and hands it to execute() again and
+again until it is released without the RESCHEDULE flag. Each execute() does, on the calling thread:
+
+1. new sequences (first sight of a correlation id) are parsed with the `llm` model's rules and
+   added to the engine; a bad one gets an error response + FINAL and is not rescheduled;
+2. cancelled sequences are aborted in the engine (their KV blocks are freed at once);
+3. one ``engine.step()`` -- the engine still owns the token budget and KV admission, so a sequence
+   it cannot advance this iteration gets no response and is simply rescheduled;
+4. each sequence present gets one response with everything produced for it since its last
+   response (FINAL when it ended), and the unfinished ones are rescheduled before returning.
+
+The engine schedules all its requests, not only the ones in this batch (with the `oldest` strategy
+Triton may hold some back): outputs of absent sequences are buffered until they come back.
+Traps measured on Triton 2.51 (DESIGN.md): null requests (correlation id 0) fill empty slots of
+the `direct` strategy and are skipped; rescheduling only works before execute() returns; Triton's
+own success counters count iterations, so request-level metrics come from here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from backend.config import ConfigError, parse_engine_config
+from backend.engine import EngineInputError, RequestOutput
+from backend.request import FinishReason
+from backend.triton.inputs import InputError, parse_request
+from backend.triton.llm_model import GLUE_PARAMETERS, model_parameters, set_utf8_locale
+from backend.triton.responder import build_response
+
+logger = logging.getLogger(__name__)
+
+# A sequence Triton stopped handing us (its client vanished without a cancel) is aborted after this.
+ABANDONED_SECONDS = 600.0
+# How often the watcher looks for cancelled sequences between iterations.
+CANCEL_POLL_SECONDS = 0.1
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One client request across its iterations: what is still to be sent, and its timing."""
+
+    request_id: str  # the engine's id
+    stream: bool
+    exclude_input_in_output: bool
+    prompt: str
+    arrival_time: float
+    text_parts: list[str] = field(default_factory=list)  # produced but not sent yet
+    token_ids: list[int] = field(default_factory=list)  # produced but not sent yet
+    prompt_token_ids: list[int] | None = None
+    final: RequestOutput | None = None  # set when the engine ended the request
+    prompt_sent: bool = False
+    cancelled: bool = False
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    last_seen: float = 0.0
+    last_request: object = None
+    last_sender: object = None
+
+
+def send_error(pb, sender, message: str, code=None) -> None:
+    """An error response that also closes the request (FINAL)."""
+    try:
+        error = pb.TritonError(message) if code is None else pb.TritonError(message, code)
+    except TypeError:  # older stubs take no code
+        error = pb.TritonError(message)
+    sender.send(pb.InferenceResponse(output_tensors=[], error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+class IterativeDriver:
+    """The per-execute() logic, with Triton's pb_utils and the engine passed in (unit-testable)."""
+
+    def __init__(self, pb, engine, model_name: str, max_queue_len: int, default_max_tokens: int,
+                 max_tokens_limit: int, metrics=None):
+        self.pb = pb
+        self.engine = engine
+        self.model_name = model_name
+        self.max_queue_len = max_queue_len
+        self.default_max_tokens = default_max_tokens
+        self.max_tokens_limit = max_tokens_limit
+        self.metrics = metrics
+        self.sequences: dict[object, Sequence] = {}  # correlation id -> sequence
+        self._by_request_id: dict[str, object] = {}  # engine request id -> correlation id
+        # execute() and the cancellation watcher both touch the engine and the sequences.
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------
+    def execute(self, requests) -> None:
+        with self.lock:
+            self._execute(requests)
+
+    def reap_cancelled(self) -> int:
+        """Aborts sequences whose client cancelled; returns how many.
+
+        Measured on Triton 2.51: a cancelled sequence is dropped from the sequence batcher and never
+        handed to execute() again, so without this its engine request would run to max_tokens and
+        hold its KV blocks. Called by a watcher thread between iterations.
+        """
+        with self.lock:
+            candidates = [(c, s) for c, s in self.sequences.items() if s.final is None and not s.cancelled]
+        cancelled = [(c, s) for c, s in candidates if _is_cancelled(s.last_request, s.last_sender)]
+        if not cancelled:
+            return 0
+        with self.lock:
+            for correlation_id, sequence in cancelled:
+                if self.sequences.get(correlation_id) is sequence:
+                    self.engine.abort_request(sequence.request_id)
+                    if self.metrics is not None:
+                        self.metrics.success["abort"].increment(1)
+                    self._forget(correlation_id)
+            if self.metrics is not None:
+                self.metrics.update_engine_stats(self.engine.stats())
+        return len(cancelled)
+
+    def _execute(self, requests) -> None:
+        now = time.monotonic()
+        present: dict[object, tuple[object, object]] = {}  # correlation id -> (request, sender)
+        for request in requests:
+            correlation_id = request.correlation_id()
+            if not correlation_id:
+                continue  # a null request filling an empty slot of the `direct` strategy
+            sender = request.get_response_sender()
+            sequence = self.sequences.get(correlation_id)
+            if sequence is None:
+                sequence = self._admit(request, sender, correlation_id, now)
+                if sequence is None:
+                    continue  # refused: error + FINAL sent, not rescheduled
+            sequence.last_seen = now
+            sequence.last_request, sequence.last_sender = request, sender
+            present[correlation_id] = (request, sender)
+            if not sequence.cancelled and sequence.final is None and _is_cancelled(request, sender):
+                sequence.cancelled = True
+                output = self.engine.abort_request(sequence.request_id)
+                if output is not None:
+                    self._collect(output, now)
+        self._abort_abandoned(present, now)
+        if self.engine.has_unfinished_requests():
+            for output in self._step():
+                self._collect(output, time.monotonic())
+        for correlation_id, (request, sender) in present.items():
+            sequence = self.sequences[correlation_id]
+            try:
+                self._flush(sequence, sender)
+            except Exception:
+                logger.exception("sending a response for %s failed", sequence.request_id)
+                if sequence.final is None:  # cannot reach the client: stop generating for it
+                    output = self.engine.abort_request(sequence.request_id)
+                    sequence.final = output
+                sequence.cancelled = True
+            if sequence.final is not None:
+                self._forget(correlation_id)
+            else:
+                request.set_release_flags(self.pb.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+        if self.metrics is not None:
+            self.metrics.update_engine_stats(self.engine.stats())
+
+    def fail_all(self, message: str) -> None:
+        """Unload: every live sequence gets an error and its FINAL flag where its sender still works."""
+        with self.lock:
+            self._fail_all(message)
+
+    def _fail_all(self, message: str) -> None:
+        self.engine.fail_all(message)
+        for correlation_id, sequence in list(self.sequences.items()):
+            try:
+                if sequence.last_sender is not None:
+                    send_error(self.pb, sequence.last_sender, message)
+            except Exception:
+                logger.debug("closing %s failed", sequence.request_id, exc_info=True)
+            self._forget(correlation_id)
+
+    # ------------------------------------------------------------------------------------------
+    def _admit(self, request, sender, correlation_id, now: float) -> Sequence | None:
+        pb = self.pb
+
+        def get_input(name):
+            tensor = pb.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        try:
+            parsed = parse_request(get_input, self.default_max_tokens, self.max_tokens_limit)
+        except InputError as exc:
+            send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
+            return None
+        waiting = self.engine.num_waiting
+        if waiting >= self.max_queue_len:
+            send_error(pb, sender, f"server busy: {waiting} requests are waiting (max_queue_len="
+                                   f"{self.max_queue_len}); retry later", pb.TritonError.UNAVAILABLE)
+            return None
+        request_id = f"{self.model_name}-{correlation_id}"
+        try:
+            self.engine.add_request(request_id, prompt=parsed.prompt, sampling_params=parsed.sampling_params,
+                                    arrival_time=now)
+        except EngineInputError as exc:
+            send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
+            return None
+        except Exception as exc:  # a tokenizer failure must not take the model down
+            logger.exception("adding request %s failed", request_id)
+            send_error(pb, sender, f"internal error while adding the request: {exc}")
+            return None
+        sequence = Sequence(request_id, parsed.stream, parsed.exclude_input_in_output, parsed.prompt, now)
+        self.sequences[correlation_id] = sequence
+        self._by_request_id[request_id] = correlation_id
+        return sequence
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception:
+            message = "internal error during generation:\n" + traceback.format_exc(limit=5)
+            logger.error(message)
+            return self.engine.fail_all(message)
+
+    def _collect(self, output: RequestOutput, now: float) -> None:
+        """Buffers one engine output on its sequence until that sequence is in a batch."""
+        correlation_id = self._by_request_id.get(output.request_id)
+        sequence = None if correlation_id is None else self.sequences.get(correlation_id)
+        if sequence is None or sequence.final is not None:
+            return
+        if output.prompt_token_ids is not None:
+            sequence.prompt_token_ids = output.prompt_token_ids
+        if output.new_token_ids and not sequence.cancelled:
+            self._observe_tokens(sequence, output, now)
+        sequence.text_parts.append(output.text)
+        sequence.token_ids.extend(output.new_token_ids)
+        if output.finished:
+            sequence.final = output
+            self._observe_finish(sequence, output, now)
+
+    def _flush(self, sequence: Sequence, sender) -> None:
+        """At most one response for this sequence in this iteration: its pending text, FINAL if done."""
+        pb = self.pb
+        final = sequence.final
+        flag = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if sequence.cancelled:
+            if final is not None:
+                sender.send(flags=flag)  # the client is gone: just close the stream
+            return
+        if final is not None and final.error is not None:
+            send_error(pb, sender, final.error)
+            return
+        if final is None and not (sequence.stream and sequence.token_ids):
+            return  # nothing new (or non-streaming): no response this iteration
+        text, token_ids = "".join(sequence.text_parts), sequence.token_ids
+        sequence.text_parts, sequence.token_ids = [], []
+        if not sequence.exclude_input_in_output and not sequence.prompt_sent:
+            sequence.prompt_sent = True  # the first response carries the prompt too
+            text = sequence.prompt + text
+            token_ids = list(sequence.prompt_token_ids or []) + token_ids
+        if final is None:
+            sender.send(build_response(pb, text, token_ids))
+            return
+        reason = final.finish_reason.value if final.finish_reason is not None else ""
+        sender.send(build_response(pb, text, token_ids, reason, (final.num_prompt_tokens, final.num_output_tokens)),
+                    flags=flag)
+
+    def _abort_abandoned(self, present: dict, now: float) -> None:
+        for correlation_id, sequence in list(self.sequences.items()):
+            if correlation_id not in present and now - sequence.last_seen > ABANDONED_SECONDS:
+                logger.warning("%s: Triton stopped scheduling it; aborting", sequence.request_id)
+                self.engine.abort_request(sequence.request_id)
+                self._forget(correlation_id)
+
+    def _forget(self, correlation_id) -> None:
+        sequence = self.sequences.pop(correlation_id, None)
+        if sequence is not None:
+            self._by_request_id.pop(sequence.request_id, None)
+
+    # ------------------------------------------------------------------------------------------
+    def _observe_tokens(self, sequence: Sequence, output: RequestOutput, now: float) -> None:
+        metrics = self.metrics
+        if sequence.first_token_time is None:
+            sequence.first_token_time = now
+            if metrics is not None:
+                metrics.ttft.observe(now - sequence.arrival_time)
+                metrics.prompt_tokens.increment(output.num_prompt_tokens)
+                if output.first_scheduled_time is not None:
+                    metrics.queue_time.observe(max(0.0, output.first_scheduled_time - sequence.arrival_time))
+        elif metrics is not None and sequence.last_token_time is not None:
+            metrics.itl.observe(now - sequence.last_token_time)
+        sequence.last_token_time = now
+        if metrics is not None:
+            metrics.generation_tokens.increment(len(output.new_token_ids))
+
+    def _observe_finish(self, sequence: Sequence, output: RequestOutput, now: float) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            return
+        reason = output.finish_reason.value if output.finish_reason is not None else "error"
+        if output.error is not None and output.finish_reason is not FinishReason.ABORT:
+            reason = "error"
+        metrics.success[reason].increment(1)
+        if output.error is not None or reason == "abort":
+            return
+        metrics.e2e.observe(now - sequence.arrival_time)
+        metrics.prompt_tokens_hist.observe(output.num_prompt_tokens)
+        metrics.generation_tokens_hist.observe(output.num_output_tokens)
+        if sequence.first_token_time is not None and output.num_output_tokens > 1:
+            metrics.tpot.observe((now - sequence.first_token_time) / (output.num_output_tokens - 1))
+
+
+class CancelWatcher:
+    """A daemon thread calling ``driver.reap_cancelled()`` until stopped."""
+
+    def __init__(self, driver: IterativeDriver):
+        self.driver = driver
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llm-iterative-cancel", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(CANCEL_POLL_SECONDS):
+            try:
+                self.driver.reap_cancelled()
+            except Exception:
+                logger.exception("looking for cancelled sequences failed")
+
+
+def _is_cancelled(request, sender) -> bool:
+    for probe in (getattr(request, "is_cancelled", None), getattr(sender, "is_cancelled", None)):
+        if probe is None:
+            continue
+        try:
+            if probe():
+                return True
+        except Exception:
+            continue
+    return False
+
+
+class TritonPythonModel:
+    """Triton's entry points; model_repository/llm_iterative/1/model.py re-exports this class."""
+
+    def initialize(self, args: dict) -> None:
+        set_utf8_locale()
+        import triton_python_backend_utils as pb_utils  # noqa: PLC0415 (only inside the stub)
+
+        from backend.engine import LLMEngine  # noqa: PLC0415
+        from backend.triton.metrics import TritonMetrics  # noqa: PLC0415
+
+        model_config = json.loads(args["model_config"])
+        model_name = args.get("model_name", model_config.get("name", "llm_iterative"))
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise ConfigError(f"model '{model_name}': model_transaction_policy {{ decoupled: true }} is required")
+        if not model_config.get("sequence_batching", {}).get("iterative_sequence", False):
+            raise ConfigError(f"model '{model_name}': sequence_batching {{ iterative_sequence: true }} is required")
+        config = parse_engine_config(
+            model_parameters(model_config), base_dir=args["model_repository"], extra_names=GLUE_PARAMETERS
+        )
+        self.metrics = TritonMetrics(pb_utils, model_name)
+        self.driver = IterativeDriver(
+            pb_utils, LLMEngine(config), model_name, config.scheduler.max_queue_len,
+            config.scheduler.default_max_tokens, config.model.max_model_len - 1, self.metrics,
+        )
+        self.watcher = CancelWatcher(self.driver)
+        self.watcher.start()
+
+    def execute(self, requests):
+        self.driver.execute(requests)
+        return None
+
+    def finalize(self) -> None:
+        """Requests still live get an error and their FINAL flag, so no client hangs."""
+        watcher = getattr(self, "watcher", None)
+        if watcher is not None:
+            watcher.stop()
+        driver = getattr(self, "driver", None)
+        if driver is not None:
+            driver.fail_all("the model is being unloaded")
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.close()

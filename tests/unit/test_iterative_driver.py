@@ -1,0 +1,167 @@
+"""IterativeDriver (the `llm_iterative` model's per-execute() logic) with fake pb_utils and engine.
+
+Covers the sequence-batcher contract without a server: null requests skipped, bad input answered
+once and not rescheduled, outputs of sequences absent from a batch buffered and sent merged when
+they return, exactly one FINAL, rescheduling only of unfinished sequences, cancellation.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from backend.engine import RequestOutput
+from backend.request import FinishReason
+from backend.triton.iterative_model import IterativeDriver
+
+FINAL, RESCHEDULE = 1, 2
+
+
+class FakeError:
+    INVALID_ARG, UNAVAILABLE = "INVALID_ARG", "UNAVAILABLE"
+
+    def __init__(self, message, code=None):
+        self.message, self.code = message, code
+
+
+def make_pb():
+    return SimpleNamespace(
+        TRITONSERVER_RESPONSE_COMPLETE_FINAL=FINAL,
+        TRITONSERVER_REQUEST_RELEASE_RESCHEDULE=RESCHEDULE,
+        TritonError=FakeError,
+        Tensor=lambda name, array: (name, array),
+        InferenceResponse=lambda output_tensors, error=None: SimpleNamespace(tensors=dict(output_tensors), error=error),
+        get_input_tensor_by_name=lambda request, name: (
+            SimpleNamespace(as_numpy=lambda: request.inputs[name]) if name in request.inputs else None),
+    )
+
+
+class FakeSender:
+    def __init__(self):
+        self.sent = []  # (response or None, flags)
+        self.cancelled = False
+
+    def send(self, response=None, flags=0):
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+class FakeRequest:
+    def __init__(self, correlation_id, prompt="hi", sender=None, **inputs):
+        self._id = correlation_id
+        self.inputs = {"text_input": np.array([[prompt.encode()]], dtype=np.object_), "stream": np.array([[True]])}
+        self.inputs.update({k: np.array([[v]]) for k, v in inputs.items()})
+        self.sender = sender or FakeSender()
+        self.release_flags = 0
+
+    def correlation_id(self):
+        return self._id
+
+    def get_response_sender(self):
+        return self.sender
+
+    def set_release_flags(self, flags):
+        self.release_flags = flags
+
+
+def output(request_id, token, finished=False):
+    return RequestOutput(request_id, [token], f"<{token}>", finished,
+                         FinishReason.LENGTH if finished else None, 3, 2)
+
+
+class FakeEngine:
+    def __init__(self):
+        self.added, self.aborted, self.script = [], [], []
+        self.num_waiting = 0
+
+    def add_request(self, request_id, prompt, sampling_params, arrival_time):
+        self.added.append(request_id)
+
+    def abort_request(self, request_id):
+        self.aborted.append(request_id)
+        return RequestOutput(request_id, [], "", True, FinishReason.ABORT, 3, 0)
+
+    def has_unfinished_requests(self):
+        return True
+
+    def step(self):
+        return self.script.pop(0) if self.script else []
+
+    def fail_all(self, message):
+        return []
+
+
+def make_driver():
+    engine = FakeEngine()
+    return IterativeDriver(make_pb(), engine, "m", max_queue_len=8, default_max_tokens=4, max_tokens_limit=100), engine
+
+
+def texts(sender):
+    return [(r.tensors["text_output"][0][0].decode() if r is not None and r.error is None else None, f)
+            for r, f in sender.sent]
+
+
+def test_null_requests_are_skipped():
+    driver, engine = make_driver()
+    null = FakeRequest(0)
+    driver.execute([null])
+    assert engine.added == [] and null.sender.sent == [] and null.release_flags == 0
+
+
+def test_bad_input_gets_one_error_final_and_is_not_rescheduled():
+    driver, engine = make_driver()
+    bad = FakeRequest(5, max_tokens=np.int32(0))
+    driver.execute([bad])
+    assert engine.added == []
+    assert len(bad.sender.sent) == 1
+    response, flags = bad.sender.sent[0]
+    assert flags == FINAL and "max_tokens" in response.error.message and response.error.code == "INVALID_ARG"
+    assert bad.release_flags == 0 and driver.sequences == {}
+
+
+def test_absent_sequences_are_buffered_and_sent_merged_once_with_one_final():
+    driver, engine = make_driver()
+    a, b = FakeRequest(1), FakeRequest(2)
+    engine.script = [[output("m-1", 10), output("m-2", 20)], [output("m-1", 11), output("m-2", 21, finished=True)],
+                     [output("m-1", 12, finished=True)]]
+    driver.execute([a, b])
+    assert texts(a.sender) == [("<10>", 0)] and texts(b.sender) == [("<20>", 0)]
+    assert a.release_flags == b.release_flags == RESCHEDULE
+    a.release_flags = b.release_flags = 0
+    driver.execute([a])  # b is held back by Triton: its final output waits in the buffer
+    assert texts(a.sender)[-1] == ("<11>", 0) and len(b.sender.sent) == 1
+    driver.execute([b])  # a's final output is buffered now; b gets its text and FINAL
+    assert texts(b.sender) == [("<20>", 0), ("<21>", FINAL)]
+    final = b.sender.sent[-1][0].tensors
+    assert final["finish_reason"][0][0] == b"length" and final["num_output_tokens"][0][0] == 2
+    assert b.release_flags == 0
+    a.release_flags = 0
+    driver.execute([a])
+    assert texts(a.sender) == [("<10>", 0), ("<11>", 0), ("<12>", FINAL)] and a.release_flags == 0
+    assert driver.sequences == {}
+
+
+def test_non_streaming_sends_one_response_at_the_end():
+    driver, engine = make_driver()
+    a = FakeRequest(1, stream=False)
+    engine.script = [[output("m-1", 1)], [output("m-1", 2, finished=True)]]
+    driver.execute([a])
+    assert a.sender.sent == [] and a.release_flags == RESCHEDULE
+    driver.execute([a])
+    assert texts(a.sender) == [("<1><2>", FINAL)]
+
+
+def test_cancelled_sequences_are_aborted_and_closed_once():
+    driver, engine = make_driver()
+    a, b = FakeRequest(1), FakeRequest(2)
+    driver.execute([a, b])
+    a.sender.cancelled = True
+    a.release_flags = 0
+    driver.execute([a, b])
+    assert engine.aborted == ["m-1"] and a.sender.sent == [(None, FINAL)] and a.release_flags == 0
+    b.sender.cancelled = True  # Triton drops a cancelled sequence: the watcher finds it
+    assert driver.reap_cancelled() == 1
+    assert engine.aborted == ["m-1", "m-2"] and driver.sequences == {}
