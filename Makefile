@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 EXTRAS ?= dev,perf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean bench bench-engine perf-analyzer genai-perf idle-cpu
+.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity
 
 setup: $(STAMP) system-deps demo-model
 
@@ -62,6 +62,9 @@ genai-perf: setup
 
 idle-cpu: setup
 	$(PY) -m perf.idle_cpu
+
+bench-affinity: setup
+	$(PY) -m perf.bench_affinity
 
 lint: setup
 	$(VENV)/bin/ruff check backend client tests perf
