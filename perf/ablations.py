@@ -105,78 +105,117 @@ class Progress:
             print(f"  [{self.label} {now - self.start:5.0f} s] {text_fn()}", flush=True)
 
 
-def drive(engine, requests: list[dict], label: str, *, static_batch: int = 0, arrive_at_start: bool = True,
-          on_step=None, stop_when_drained: bool = False) -> dict:
-    """Runs ``requests`` (dicts: prompt, max_tokens, optional at_step) through ``engine`` to the end.
+class Sim:
+    """Feeds ``requests`` (dicts: prompt, max_tokens, optional at_step) to ``engine`` one step at a time.
+
+    Time is the engine's own clock: the sum of its own steps' durations (add_request + step()),
+    so two engines advanced alternately (:func:`interleave`) see the same machine noise, and a
+    neighbour's step never counts as ours. TTFT = arrival to the step that produced the first
+    token; ITL = gaps between a request's token-producing steps.
 
     static_batch > 0: request-level batching: the next ``static_batch`` requests are added only
-    when the engine has nothing unfinished. Otherwise a request is added once ``at_step`` (default
-    0) steps have run. stop_when_drained: stop (aborting what still runs) once every request has
-    arrived and none waits any more: concurrency only falls after that. Arrival time: the run's start when ``arrive_at_start`` (the requests were
-    all queued then), else the moment it is added. Returns per-request token times and totals.
+    when the engine has nothing unfinished. Otherwise a request arrives once ``at_step`` (default
+    0) steps have run. Arrival time: the run's start when ``arrive_at_start`` (all queued then),
+    else the moment it is added. stop_when_drained: stop (aborting what still runs) once every
+    request has arrived and none waits any more: concurrency only falls after that.
     """
-    from backend.request import SamplingParams
 
-    pending = list(range(len(requests)))
-    records = [{"arrival": None, "token_times": [], "first_token_time": None, "num_output_tokens": 0,
-                "finish_reason": None, "num_cached_tokens": 0} for _ in requests]
-    progress = Progress(label)
-    start = time.monotonic()
-    steps, num_tokens, peak_running, running_sum = 0, 0, 0, 0
-    while pending or engine.has_unfinished_requests():
-        if static_batch:
-            to_add = pending[:static_batch] if not engine.has_unfinished_requests() else []
+    def __init__(self, engine, requests: list[dict], label: str, *, static_batch: int = 0,
+                 arrive_at_start: bool = True, on_step=None, stop_when_drained: bool = False):
+        self.engine, self.requests, self.label = engine, requests, label
+        self.static_batch, self.arrive_at_start = static_batch, arrive_at_start
+        self.on_step, self.stop_when_drained = on_step, stop_when_drained
+        self.pending = list(range(len(requests)))
+        self.records = [{"arrival": None, "token_times": [], "first_token_time": None, "num_output_tokens": 0,
+                         "finish_reason": None, "num_cached_tokens": 0} for _ in requests]
+        self.clock = 0.0  # seconds of this engine's own work
+        self.wall_start = time.monotonic()
+        self.steps = self.num_tokens = self.peak_running = self.running_sum = 0
+        self.stopped = False
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or not (self.pending or self.engine.has_unfinished_requests())
+
+    def status(self) -> str:
+        return (f"{self.label}: step {self.steps}, {self.num_tokens} tokens, {self.engine.stats().num_running} running, "
+                f"{self.engine.num_waiting} waiting, {len(self.pending)} not yet arrived")
+
+    def advance(self) -> None:
+        """Adds what has arrived, then runs one engine step."""
+        from backend.request import SamplingParams
+
+        engine = self.engine
+        started = time.perf_counter()
+        if self.static_batch:
+            to_add = self.pending[:self.static_batch] if not engine.has_unfinished_requests() else []
         else:
-            to_add = [i for i in pending if requests[i].get("at_step", 0) <= steps]
-        now = time.monotonic()
+            to_add = [i for i in self.pending if self.requests[i].get("at_step", 0) <= self.steps]
         for i in to_add:
-            request = requests[i]
-            arrival = start if arrive_at_start else now
-            records[i]["arrival"] = arrival
-            engine.add_request(f"{label}-{i}", prompt_token_ids=request["prompt"], arrival_time=arrival,
+            request = self.requests[i]
+            self.records[i]["arrival"] = 0.0 if self.arrive_at_start else self.clock
+            engine.add_request(f"{self.label}-{i}", prompt_token_ids=request["prompt"],
                                sampling_params=SamplingParams(max_tokens=request["max_tokens"], ignore_eos=True))
         if to_add:
             added = set(to_add)
-            pending = [i for i in pending if i not in added]
-        if not engine.has_unfinished_requests():  # waiting for a step-indexed arrival
-            steps += 1
-            continue
+            self.pending = [i for i in self.pending if i not in added]
+        self.steps += 1
+        if not engine.has_unfinished_requests():  # idle until a step-indexed arrival
+            return
         outputs = engine.step()
-        now = time.monotonic()
-        steps += 1
+        self.clock += time.perf_counter() - started
         running = engine.stats().num_running + sum(1 for o in outputs if o.finished)  # as scheduled
-        peak_running = max(peak_running, running)
-        running_sum += running
-        if on_step is not None:
-            on_step(engine, running)
+        self.peak_running = max(self.peak_running, running)
+        self.running_sum += running
+        if self.on_step is not None:
+            self.on_step(engine, running)
         for output in outputs:
-            record = records[int(output.request_id.rsplit("-", 1)[1])]
-            record["token_times"].extend([now] * len(output.new_token_ids))
+            record = self.records[int(output.request_id.rsplit("-", 1)[1])]
+            record["token_times"].extend([self.clock] * len(output.new_token_ids))
             record["num_output_tokens"] = output.num_output_tokens
-            num_tokens += len(output.new_token_ids)
-            if output.first_token_time is not None and record["first_token_time"] is None:
-                record["first_token_time"] = output.first_token_time
+            self.num_tokens += len(output.new_token_ids)
+            if output.new_token_ids and record["first_token_time"] is None:
+                record["first_token_time"] = self.clock
             if output.finished:
                 record["finish_reason"] = str(output.finish_reason)
                 record["num_cached_tokens"] = output.num_cached_tokens
-        if stop_when_drained and not pending and engine.num_waiting == 0:
-            for i, record in enumerate(records):
+        if self.stop_when_drained and not self.pending and engine.num_waiting == 0:
+            for i, record in enumerate(self.records):
                 if record["finish_reason"] is None:
-                    engine.abort_request(f"{label}-{i}")
+                    engine.abort_request(f"{self.label}-{i}")
                     record["finish_reason"] = "abort (run stopped)"
-            break
-        progress.maybe(lambda: f"step {steps}, {num_tokens} tokens, {engine.stats().num_running} running, "
-                               f"{engine.num_waiting} waiting, {len(pending)} not yet arrived")
-    seconds = time.monotonic() - start
-    for record in records:
-        record["ttft"] = record["first_token_time"] - record["arrival"] if record["first_token_time"] else None
-        times = record["token_times"]
-        record["itls"] = [b - a for a, b in zip(times, times[1:])]
-    stats = engine.stats()
-    return {"records": records, "seconds": seconds, "steps": steps, "output_tokens": num_tokens,
-            "peak_running": peak_running, "mean_running": running_sum / max(steps, 1),
-            "preemptions": stats.num_preemptions, "prefix_cache_queries": stats.prefix_cache_queries,
-            "prefix_cache_hits": stats.prefix_cache_hits}
+            self.stopped = True
+
+    def result(self) -> dict:
+        for record in self.records:
+            first = record["first_token_time"]
+            record["ttft"] = first - record["arrival"] if first is not None and record["arrival"] is not None else None
+            times = record["token_times"]
+            record["itls"] = [b - a for a, b in zip(times, times[1:], strict=False)]
+        stats = self.engine.stats()
+        return {"records": self.records, "seconds": self.clock, "wall_seconds": time.monotonic() - self.wall_start,
+                "steps": self.steps, "output_tokens": self.num_tokens, "peak_running": self.peak_running,
+                "mean_running": self.running_sum / max(self.steps, 1), "preemptions": stats.num_preemptions,
+                "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits}
+
+
+def interleave(sims: list[Sim], label: str) -> list[dict]:
+    """Advances the sims one step each in turn (the order flips every round) until all are done."""
+    progress = Progress(label)
+    round_index = 0
+    while not all(sim.done for sim in sims):
+        order = sims if round_index % 2 == 0 else list(reversed(sims))
+        for sim in order:
+            if not sim.done:
+                sim.advance()
+        round_index += 1
+        progress.maybe(lambda: "; ".join(sim.status() for sim in sims))
+    return [sim.result() for sim in sims]
+
+
+def drive(engine, requests: list[dict], label: str, **kwargs) -> dict:
+    """Runs one Sim alone to the end (see :class:`Sim`)."""
+    return interleave([Sim(engine, requests, label, **kwargs)], label)[0]
 
 
 def ms(seconds: float) -> str:
@@ -199,12 +238,12 @@ def ablation_inflight(model_folder: str, vocab: int, size: dict, seed: int) -> d
     workload = [{"prompt": [1] + random_tokens(rng, rng.randint(*size["prompt_range"]) - 1, vocab),
                  "max_tokens": rng.randint(*size["output_range"])} for _ in range(size["num_requests"])]
     overrides = {"max_num_seqs": str(batch)}
-    engine = make_engine(model_folder, overrides)  # one engine for both: same weights, same warm-up
-    results = {}
-    for name, static in (("continuous", 0), ("static", batch)):
-        engine.kv_cache_manager.reset_prefix_cache()  # no hits on the other run's prompts
-        results[name] = drive(engine, workload, f"inflight/{name}", static_batch=static)
-    del engine
+    # Two engines stepped alternately, each timed on its own clock: load changes hit both alike.
+    modes = (("continuous", 0), ("static", batch))
+    sims = [Sim(make_engine(model_folder, overrides), workload, f"inflight/{name}", static_batch=static)
+            for name, static in modes]
+    results = dict(zip([name for name, _ in modes], interleave(sims, "inflight"), strict=True))
+    del sims
     rows = []
     summary = {}
     for name, result in results.items():
@@ -215,7 +254,7 @@ def ablation_inflight(model_folder: str, vocab: int, size: dict, seed: int) -> d
                          "ttft_p50_s": percentile(ttfts, 50), "num_finished": sum(1 for r in result["records"] if r["finish_reason"])}
         rows.append([name, result["output_tokens"], f"{result['seconds']:.1f}", f"{tok_s:.1f}", result["steps"],
                      f"{result['mean_running']:.1f}", ms(percentile(ttfts, 50))])
-    print_table(["batching", "output tokens", "seconds", "output tok/s", "steps", "mean running", "TTFT p50 ms"], rows)
+    print_table(["batching", "output tokens", "engine seconds", "output tok/s", "steps", "mean running", "TTFT p50 ms"], rows)
     ratio = summary["continuous"]["tokens_per_s"] / summary["static"]["tokens_per_s"]
     return {"metric": "output tok/s, continuous / static", "ratio": ratio, "target": None, "results": summary,
             "workload": {**size, "num_requests": len(workload), "output_tokens": sum(w["max_tokens"] for w in workload)},
@@ -237,7 +276,7 @@ def ablation_prefix_caching(model_folder: str, vocab: int, size: dict, seed: int
     for index, request in enumerate(workload):
         order = list(engines) if index % 2 == 0 else list(reversed(engines))  # alternate who goes first
         for name in order:
-            result = drive(engines[name], [request], f"prefix/{name.replace(' ', '_')}/{index}", arrive_at_start=True)
+            result = drive(engines[name], [request], f"prefix/{name.replace(' ', '_')}/{index}")
             per_engine[name].extend(result["records"])
             totals[name]["seconds"] += result["seconds"]
             totals[name]["steps"] += result["steps"]
@@ -278,11 +317,13 @@ def ablation_chunked_prefill(model_folder: str, vocab: int, size: dict, seed: in
         "chunked off": {"max_model_len": str(max_len), "max_num_batched_tokens": str(max_len),
                         "enable_chunked_prefill": "false"},
     }
+    sims = [Sim(make_engine(model_folder, overrides), workload, f"chunked/{name.replace(' ', '_')}",
+                arrive_at_start=False) for name, overrides in configs.items()]
+    results = dict(zip(configs, interleave(sims, "chunked_prefill"), strict=True))
+    del sims
     summary, rows = {}, []
     for name, overrides in configs.items():
-        engine = make_engine(model_folder, overrides)
-        result = drive(engine, workload, f"chunked/{name.replace(' ', '_')}", arrive_at_start=False)
-        del engine
+        result = results[name]
         decode_records = result["records"][:len(decoders)]
         long_records = result["records"][len(decoders):]
         itls = [itl for r in decode_records for itl in r["itls"]]
@@ -296,7 +337,7 @@ def ablation_chunked_prefill(model_folder: str, vocab: int, size: dict, seed: in
         rows.append([name, overrides["max_num_batched_tokens"], s["num_itls"], ms(s["itl_p50_s"]), ms(s["itl_p99_s"]),
                      ms(s["itl_max_s"]), ms(s["long_ttft_p50_s"]), result["steps"], f"{result['seconds']:.1f}"])
     print_table(["prefill", "token budget", "decode ITLs", "ITL p50 ms", "ITL p99 ms", "ITL max ms",
-                 "long-prompt TTFT p50 ms", "steps", "seconds"], rows)
+                 "long-prompt TTFT p50 ms", "steps", "engine seconds"], rows)
     ratio = summary["chunked off"]["itl_p99_s"] / summary["chunked on"]["itl_p99_s"]
     return {"metric": "decode ITL p99, off / on", "ratio": ratio, "target": 2.0, "results": summary,
             "workload": {**size, "num_requests": len(workload)}}
