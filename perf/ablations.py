@@ -132,6 +132,16 @@ class Sim:
         self.wall_start = time.monotonic()
         self.steps = self.num_tokens = self.peak_running = self.running_sum = 0
         self.stopped = False
+        self.step_log: list[tuple[int, int, float]] = []  # (tokens, requests, seconds) per engine step
+        self._last_schedule = (0, 0)
+        schedule = engine.scheduler.schedule
+
+        def logged_schedule():
+            output = schedule()
+            self._last_schedule = (output.num_scheduled_tokens, len(output.scheduled))
+            return output
+
+        engine.scheduler.schedule = logged_schedule  # instance attribute: this engine only
 
     @property
     def done(self) -> bool:
@@ -163,7 +173,9 @@ class Sim:
         if not engine.has_unfinished_requests():  # idle until a step-indexed arrival
             return
         outputs = engine.step()
-        self.clock += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.clock += elapsed
+        self.step_log.append((*self._last_schedule, elapsed))
         running = engine.stats().num_running + sum(1 for o in outputs if o.finished)  # as scheduled
         self.peak_running = max(self.peak_running, running)
         self.running_sum += running
@@ -193,7 +205,15 @@ class Sim:
             times = record["token_times"]
             record["itls"] = [b - a for a, b in zip(times, times[1:], strict=False)]
         stats = self.engine.stats()
-        return {"records": self.records, "seconds": self.clock, "wall_seconds": time.monotonic() - self.wall_start,
+        decode = [(t, n, d) for t, n, d in self.step_log if t == n]  # one token per request: pure decode
+        mixed = [(t, n, d) for t, n, d in self.step_log if t != n]
+        breakdown = {
+            "decode_steps": len(decode), "decode_seconds": sum(d for _, _, d in decode),
+            "decode_tokens": sum(t for t, _, _ in decode),
+            "prefill_steps": len(mixed), "prefill_seconds": sum(d for _, _, d in mixed),
+            "prefill_step_tokens": sum(t for t, _, _ in mixed),
+        }
+        return {"step_breakdown": breakdown, "records": self.records, "seconds": self.clock, "wall_seconds": time.monotonic() - self.wall_start,
                 "steps": self.steps, "output_tokens": self.num_tokens, "peak_running": self.peak_running,
                 "mean_running": self.running_sum / max(self.steps, 1), "preemptions": stats.num_preemptions,
                 "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits}
@@ -249,12 +269,17 @@ def ablation_inflight(model_folder: str, vocab: int, size: dict, seed: int) -> d
     for name, result in results.items():
         ttfts = [r["ttft"] for r in result["records"]]
         tok_s = result["output_tokens"] / result["seconds"]
-        summary[name] = {"output_tokens": result["output_tokens"], "seconds": result["seconds"], "tokens_per_s": tok_s,
+        summary[name] = {"step_breakdown": result["step_breakdown"],
+                         "output_tokens": result["output_tokens"], "seconds": result["seconds"], "tokens_per_s": tok_s,
                          "steps": result["steps"], "mean_running": result["mean_running"],
                          "ttft_p50_s": percentile(ttfts, 50), "num_finished": sum(1 for r in result["records"] if r["finish_reason"])}
+        b = result["step_breakdown"]
         rows.append([name, result["output_tokens"], f"{result['seconds']:.1f}", f"{tok_s:.1f}", result["steps"],
-                     f"{result['mean_running']:.1f}", ms(percentile(ttfts, 50))])
-    print_table(["batching", "output tokens", "engine seconds", "output tok/s", "steps", "mean running", "TTFT p50 ms"], rows)
+                     f"{result['mean_running']:.1f}", ms(percentile(ttfts, 50)),
+                     f"{b['decode_steps']} / {b['decode_seconds']:.1f} s / {b['decode_tokens']}",
+                     f"{b['prefill_steps']} / {b['prefill_seconds']:.1f} s / {b['prefill_step_tokens']}"])
+    print_table(["batching", "output tokens", "engine seconds", "output tok/s", "steps", "mean running", "TTFT p50 ms",
+                 "decode-only steps / s / tokens", "steps with prefill / s / tokens"], rows)
     ratio = summary["continuous"]["tokens_per_s"] / summary["static"]["tokens_per_s"]
     return {"metric": "output tok/s, continuous / static", "ratio": ratio, "target": None, "results": summary,
             "workload": {**size, "num_requests": len(workload), "output_tokens": sum(w["max_tokens"] for w in workload)},
