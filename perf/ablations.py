@@ -311,7 +311,7 @@ def ablation_prefix_caching(model_folder: str, vocab: int, size: dict, seed: int
         stats = engine.stats()
         ttfts = [r["ttft"] for r in per_engine[name]]
         hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
-        summary[name] = {"ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+        summary[name] = {"ttfts_s": ttfts, "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
                          "ttft_mean_s": sum(ttfts) / len(ttfts), "prefix_cache_queries": stats.prefix_cache_queries,
                          "prefix_cache_hits": stats.prefix_cache_hits, "hit_rate": hit_rate,
                          "num_finished": sum(1 for r in per_engine[name] if r["finish_reason"]),
