@@ -318,7 +318,7 @@ def ablation_prefix_caching(model_folder: str, vocab: int, size: dict, seed: int
             per_engine[name].extend(result["records"])
             totals[name]["seconds"] += result["seconds"]
             totals[name]["steps"] += result["steps"]
-        progress.maybe(lambda: f"{index + 1}/{len(workload)} requests on both engines")
+        progress.maybe(lambda done=index + 1: f"{done}/{len(workload)} requests on both engines")
     summary, rows = {}, []
     for name, engine in engines.items():
         stats = engine.stats()
@@ -458,8 +458,9 @@ RUNNERS = {"inflight": ablation_inflight, "prefix_caching": ablation_prefix_cach
 
 
 def run_ablations(names, model_folder: str, smoke: bool = False, seed: int = 0) -> dict:
-    from backend.config import engine_config_from_model_folder
     from transformers import AutoConfig
+
+    from backend.config import engine_config_from_model_folder
 
     config = engine_config_from_model_folder(model_folder)
     vocab = AutoConfig.from_pretrained(config.model.model_dir).vocab_size
@@ -500,7 +501,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     names = args.only or list(ABLATIONS)
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     ablations = run_ablations(names, args.model_folder, smoke=args.smoke, seed=args.seed)
     print_summary(ablations)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
