@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 EXTRAS ?= dev,perf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity
+.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations
 
 setup: $(STAMP) system-deps demo-model
 
@@ -65,6 +65,9 @@ idle-cpu: setup
 
 bench-affinity: setup
 	$(PY) -m perf.bench_affinity
+
+ablations: setup
+	$(PY) -m perf.ablations --out-json perf/results/ablations.json
 
 lint: setup
 	$(VENV)/bin/ruff check backend client tests perf
