@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 from backend.config import ConfigError, parse_engine_config
 from backend.engine import EngineInputError, RequestOutput
-from backend.request import FinishReason
 from backend.triton.inputs import InputError, parse_request
 from backend.triton.llm_model import GLUE_PARAMETERS, model_parameters, set_utf8_locale
+from backend.triton.metrics import record_finish, record_tokens
 from backend.triton.responder import build_response
 
 logger = logging.getLogger(__name__)
@@ -230,12 +230,12 @@ class IterativeDriver:
         if output.prompt_token_ids is not None:
             sequence.prompt_token_ids = output.prompt_token_ids
         if output.new_token_ids and not sequence.cancelled:
-            self._observe_tokens(sequence, output, now)
+            record_tokens(sequence, output, now, self.metrics)
         sequence.text_parts.append(output.text)
         sequence.token_ids.extend(output.new_token_ids)
         if output.finished:
             sequence.final = output
-            self._observe_finish(sequence, output, now)
+            record_finish(sequence, output, now, self.metrics)
 
     def _flush(self, sequence: Sequence, sender) -> None:
         """At most one response for this sequence in this iteration: its pending text, FINAL if done."""
@@ -275,38 +275,6 @@ class IterativeDriver:
         sequence = self.sequences.pop(correlation_id, None)
         if sequence is not None:
             self._by_request_id.pop(sequence.request_id, None)
-
-    # ------------------------------------------------------------------------------------------
-    def _observe_tokens(self, sequence: Sequence, output: RequestOutput, now: float) -> None:
-        metrics = self.metrics
-        if sequence.first_token_time is None:
-            sequence.first_token_time = now
-            if metrics is not None:
-                metrics.ttft.observe(now - sequence.arrival_time)
-                metrics.prompt_tokens.increment(output.num_prompt_tokens)
-                if output.first_scheduled_time is not None:
-                    metrics.queue_time.observe(max(0.0, output.first_scheduled_time - sequence.arrival_time))
-        elif metrics is not None and sequence.last_token_time is not None:
-            metrics.itl.observe(now - sequence.last_token_time)
-        sequence.last_token_time = now
-        if metrics is not None:
-            metrics.generation_tokens.increment(len(output.new_token_ids))
-
-    def _observe_finish(self, sequence: Sequence, output: RequestOutput, now: float) -> None:
-        metrics = self.metrics
-        if metrics is None:
-            return
-        reason = output.finish_reason.value if output.finish_reason is not None else "error"
-        if output.error is not None and output.finish_reason is not FinishReason.ABORT:
-            reason = "error"
-        metrics.success[reason].increment(1)
-        if output.error is not None or reason == "abort":
-            return
-        metrics.e2e.observe(now - sequence.arrival_time)
-        metrics.prompt_tokens_hist.observe(output.num_prompt_tokens)
-        metrics.generation_tokens_hist.observe(output.num_output_tokens)
-        if sequence.first_token_time is not None and output.num_output_tokens > 1:
-            metrics.tpot.observe((now - sequence.first_token_time) / (output.num_output_tokens - 1))
 
 
 class CancelWatcher:

@@ -7,12 +7,56 @@ object is kept referenced for the model's lifetime: a dropped family makes later
 
 from __future__ import annotations
 
-from backend.engine import EngineStats
+from typing import Protocol
+
+from backend.engine import EngineStats, RequestOutput
+from backend.request import FinishReason
 
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISH_REASONS = ("length", "stop", "eos", "abort", "error")
+
+
+class RequestTiming(Protocol):
+    """Client-visible timing of one request (monotonic seconds), kept by whoever sends its responses."""
+
+    arrival_time: float
+    first_token_time: float | None
+    last_token_time: float | None
+
+
+def record_tokens(timing: RequestTiming, output: RequestOutput, now: float, metrics: TritonMetrics | None) -> None:
+    """Notes that ``output``'s tokens were sent at ``now``: TTFT once, ITL after, token counters."""
+    if timing.first_token_time is None:
+        timing.first_token_time = now
+        if metrics is not None:
+            metrics.ttft.observe(now - timing.arrival_time)
+            metrics.prompt_tokens.increment(output.num_prompt_tokens)
+            if output.first_scheduled_time is not None:
+                metrics.queue_time.observe(max(0.0, output.first_scheduled_time - timing.arrival_time))
+    elif metrics is not None and timing.last_token_time is not None:
+        metrics.itl.observe(now - timing.last_token_time)
+    timing.last_token_time = now
+    if metrics is not None:
+        metrics.generation_tokens.increment(len(output.new_token_ids))
+
+
+def record_finish(timing: RequestTiming, output: RequestOutput, now: float, metrics: TritonMetrics | None) -> None:
+    """Counts a finished request by reason; successful ones also feed e2e, TPOT and size histograms."""
+    if metrics is None:
+        return
+    reason = output.finish_reason.value if output.finish_reason is not None else "error"
+    if output.error is not None and output.finish_reason is not FinishReason.ABORT:
+        reason = "error"
+    metrics.success[reason].increment(1)
+    if output.error is not None or reason == "abort":
+        return
+    metrics.e2e.observe(now - timing.arrival_time)
+    metrics.prompt_tokens_hist.observe(output.num_prompt_tokens)
+    metrics.generation_tokens_hist.observe(output.num_output_tokens)
+    if timing.first_token_time is not None and output.num_output_tokens > 1:
+        metrics.tpot.observe((now - timing.first_token_time) / (output.num_output_tokens - 1))
 
 
 class TritonMetrics:

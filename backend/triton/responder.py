@@ -18,7 +18,7 @@ import numpy as np
 
 from backend.engine import RequestOutput
 from backend.triton.engine_loop import EngineLoop
-from backend.triton.metrics import TritonMetrics
+from backend.triton.metrics import TritonMetrics, record_finish, record_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Responder:
         now = time.monotonic()
         num_new = len(output.new_token_ids)
         if num_new and not active.cancelled:
-            self._observe_tokens(active, output, now)
+            record_tokens(active, output, now, self.metrics)
         if not active.stream:
             active.text_parts.append(output.text)
             active.token_ids.extend(output.new_token_ids)
@@ -137,26 +137,10 @@ class Responder:
         elif active.stream and not active.cancelled:
             active.sender.send(self._response(active, output.text, output.new_token_ids, output, None))
 
-    def _observe_tokens(self, active: ActiveRequest, output: RequestOutput, now: float) -> None:
-        metrics = self.metrics
-        if active.first_token_time is None:
-            active.first_token_time = now
-            if metrics is not None:
-                metrics.ttft.observe(now - active.arrival_time)
-                metrics.prompt_tokens.increment(output.num_prompt_tokens)
-                if output.first_scheduled_time is not None:
-                    metrics.queue_time.observe(max(0.0, output.first_scheduled_time - active.arrival_time))
-        elif metrics is not None and active.last_token_time is not None:
-            metrics.itl.observe(now - active.last_token_time)
-        active.last_token_time = now
-        if metrics is not None:
-            metrics.generation_tokens.increment(len(output.new_token_ids))
-
     def _finish(self, active: ActiveRequest, output: RequestOutput, now: float) -> None:
         final_flag = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self.unregister(active.request_id)
-        if self.metrics is not None:
-            self._observe_finish(active, output, now)
+        record_finish(active, output, now, self.metrics)
         if active.cancelled:
             active.sender.send(flags=final_flag)  # the client is gone: just close the stream
             return
@@ -169,18 +153,6 @@ class Responder:
         else:
             text, token_ids = "".join(active.text_parts), active.token_ids
         active.sender.send(self._response(active, text, token_ids, output, output), flags=final_flag)
-
-    def _observe_finish(self, active: ActiveRequest, output: RequestOutput, now: float) -> None:
-        metrics = self.metrics
-        reason = output.finish_reason.value if output.finish_reason is not None else "error"
-        metrics.success[reason if output.error is None or reason == "abort" else "error"].increment(1)
-        if output.error is not None or reason == "abort":
-            return
-        metrics.e2e.observe(now - active.arrival_time)
-        metrics.prompt_tokens_hist.observe(output.num_prompt_tokens)
-        metrics.generation_tokens_hist.observe(output.num_output_tokens)
-        if active.first_token_time is not None and output.num_output_tokens > 1:
-            metrics.tpot.observe((now - active.first_token_time) / (output.num_output_tokens - 1))
 
     def _response(self, active: ActiveRequest, text: str, token_ids: list[int], output: RequestOutput,
                   final: RequestOutput | None):
