@@ -6,7 +6,6 @@ answered with an error naming the field, cancellation freeing the KV blocks.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -16,7 +15,13 @@ from backend.config import engine_config_from_model_folder
 from backend.request import SamplingParams
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
-from tests.integration.test_llm_model import BAD_INPUTS, metric, mixed_workload, read_metrics
+from tests.integration.test_llm_model import (
+    BAD_INPUTS,
+    metric,
+    mixed_workload,
+    read_metrics,
+    run_concurrently,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -30,31 +35,11 @@ def offline_engine(demo_model_dir):
     return LLMEngine(engine_config_from_model_folder(str(MODEL_REPOSITORY / MODEL)))
 
 
-def run_concurrently(url: str, model: str, jobs: list[tuple[str, dict]], timeout: float = 600.0):
-    results = [None] * len(jobs)
-    errors = []
-
-    def worker(index, prompt, options):
-        try:
-            with StreamingClient(url, model) as client:
-                results[index] = client.generate(prompt, timeout=timeout, **options)
-        except Exception as exc:  # surfaced by the assertion below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i, p, o)) for i, (p, o) in enumerate(jobs)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout + 30)
-    assert not errors, errors
-    return results
-
-
 def test_concurrent_streams_equal_llm_and_the_offline_engine(triton_server, offline_engine):
     workload = mixed_workload(seed=11, count=16)
     jobs = [(prompt, {"max_tokens": n, "stream": True, "ignore_eos": True}) for prompt, n in workload]
-    iterative = run_concurrently(triton_server.grpc_url, MODEL, jobs)
-    continuous = run_concurrently(triton_server.grpc_url, "llm", jobs)
+    iterative = run_concurrently(triton_server.grpc_url, jobs, model=MODEL)
+    continuous = run_concurrently(triton_server.grpc_url, jobs)
     expected = offline_engine.generate(
         [p for p, _ in workload], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in workload]
     )
@@ -130,7 +115,7 @@ def test_cancelling_a_stream_frees_its_kv_blocks(triton_server):
 def test_request_metrics_count_requests_not_iterations(triton_server):
     before = read_metrics(triton_server)
     jobs = [(f"metrics check {i}", {"max_tokens": 5 + i, "ignore_eos": True, "stream": True}) for i in range(3)]
-    results = run_concurrently(triton_server.grpc_url, MODEL, jobs)
+    results = run_concurrently(triton_server.grpc_url, jobs, model=MODEL)
     time.sleep(0.3)
     after = read_metrics(triton_server)
 
@@ -144,7 +129,7 @@ def test_request_metrics_count_requests_not_iterations(triton_server):
 
 def test_triton_statistics_show_batched_iterations(triton_server):
     jobs = [(f"batch {i}", {"max_tokens": 16, "ignore_eos": True, "stream": True}) for i in range(8)]
-    run_concurrently(triton_server.grpc_url, MODEL, jobs)
+    run_concurrently(triton_server.grpc_url, jobs, model=MODEL)
     stats = grpcclient.InferenceServerClient(triton_server.grpc_url).get_inference_statistics(MODEL, as_json=True)
     sizes = [int(b["batch_size"]) for b in stats["model_stats"][0].get("batch_stats", [])]
     assert max(sizes) > 1, sizes

@@ -60,14 +60,14 @@ def mixed_workload(seed: int, count: int):
     ]
 
 
-def run_concurrently(url: str, jobs: list[tuple[str, dict]], timeout: float = 600.0):
+def run_concurrently(url: str, jobs: list[tuple[str, dict]], timeout: float = 600.0, model: str = "llm"):
     """One stream per job, all in flight at once (as perf_analyzer's concurrency does)."""
     results = [None] * len(jobs)
     errors = []
 
     def worker(index, prompt, options):
         try:
-            with StreamingClient(url) as client:
+            with StreamingClient(url, model) as client:
                 results[index] = client.generate(prompt, timeout=timeout, **options)
         except Exception as exc:  # surfaced by the assertion below
             errors.append(exc)
