@@ -22,7 +22,7 @@ from client.bench.metadata import git_state, machine_info, now_iso, server_model
 from client.bench.progress import Progress
 from client.bench.prompts import PromptBuilder, PromptError
 from client.bench.report import write_json, write_markdown, write_plots
-from client.bench.runner import CompletedRequest, run_workload
+from client.bench.runner import API_OPENAI, API_TRITON, CompletedRequest, run_workload
 from client.bench.stats import SloTargets, compute_metrics
 from client.bench.workload import SharedPrefix, WorkItem, build_workload
 
@@ -32,7 +32,11 @@ RUN_SEED_STRIDE = 1_000_003  # run i uses seed + i * stride: distinct prompts pe
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m client.bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default: %(default)s)")
+    parser.add_argument("--url", default="localhost:8001",
+                        help="Triton gRPC address, or http://host:port with --api openai (default: %(default)s)")
+    parser.add_argument("--api", choices=(API_TRITON, API_OPENAI), default=API_TRITON,
+                        help="triton: the llm model over gRPC streams; openai: /v1/completions streaming of an "
+                             "OpenAI-compatible server such as vLLM, to compare stacks (default: %(default)s)")
     parser.add_argument("--model", default="llm", help="model name (default: %(default)s)")
     parser.add_argument("--tokenizer", default="models/demo-llama", help="folder with tokenizer.json (default: %(default)s)")
     parser.add_argument("--corpus", default=None, help="text the prompts are cut from (default: data/demo_corpus.txt)")
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, PromptError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server_config = server_model_config(args.url, args.model)
+    server_config = server_model_config(args.url, args.model) if args.api == API_TRITON else {"parameters": {}}
     if "error" in server_config:
         print(f"error: cannot read the config of model {args.model!r} at {args.url}: {server_config['error']}",
               file=sys.stderr)
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if warmup_items:
         completed, _ = run_workload(args.url, args.model, warmup_items, ArrivalPattern("concurrency", 1),
-                                    timeout_s=args.timeout)
+                                    timeout_s=args.timeout, api=args.api)
         failures = [c.record.error for c in completed if c.record.error]
         if failures:
             print(f"error: warm-up request failed: {failures[0]}", file=sys.stderr)
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         with Progress(pattern.label, len(items), args.progress_interval) as progress:
             completed, duration = run_workload(
                 args.url, args.model, items, pattern, seed=args.seed + run_index, timeout_s=args.timeout,
-                max_concurrency=args.max_concurrency, progress=progress,
+                max_concurrency=args.max_concurrency, progress=progress, api=args.api,
             )
         records = [c.record for c in completed]
         metrics = compute_metrics(records, duration, slo, percentiles)
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summary_line(pattern.label, metrics.to_dict()), flush=True)
 
     document = {
-        "tool": "client.bench", "created": now_iso(), "url": args.url, "model": args.model,
+        "tool": "client.bench", "created": now_iso(), "url": args.url, "api": args.api, "model": args.model,
         "git": git_state(), "machine": machine_info(), "server_model_config": server_config,
         "workload": {
             "num_requests": args.num_requests, "input_len": input_lengths.to_dict(),

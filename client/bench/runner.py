@@ -22,6 +22,7 @@ from client.bench.arrivals import ArrivalPattern, send_offsets
 from client.bench.progress import Progress
 from client.bench.stats import RequestRecord
 from client.bench.workload import WorkItem
+from client.openai_stream import OpenAIStreamingClient
 from client.stream import StreamingClient
 
 
@@ -35,12 +36,18 @@ class CompletedRequest:
     expected_input_tokens: int
 
 
+API_TRITON = "triton"  # Triton gRPC streaming (client.stream), the `llm` model's tensors
+API_OPENAI = "openai"  # OpenAI-compatible /v1/completions over HTTP (client.openai_stream): vLLM and peers
+
+
 class _User:
     """One simulated user: a lazily opened stream, reopened after a failure."""
 
-    def __init__(self, url: str, model: str, timeout_s: float):
-        self.url, self.model, self.timeout_s = url, model, timeout_s
-        self.client: StreamingClient | None = None
+    def __init__(self, url: str, model: str, timeout_s: float, api: str = API_TRITON):
+        if api not in (API_TRITON, API_OPENAI):
+            raise ValueError(f"api: expected {API_TRITON!r} or {API_OPENAI!r}, got {api!r}")
+        self.url, self.model, self.timeout_s, self.api = url, model, timeout_s, api
+        self.client: StreamingClient | OpenAIStreamingClient | None = None
 
     def close(self, cancel: bool = False) -> None:
         if self.client is not None:
@@ -51,6 +58,8 @@ class _User:
             self.client = None
 
     def run(self, item: WorkItem, progress: Progress) -> CompletedRequest:
+        if self.api == API_OPENAI:
+            return self._run_openai(item, progress)
         seen_tokens = 0
 
         def on_response(_rid, result) -> None:
@@ -71,6 +80,25 @@ class _User:
                                    error=f"{type(exc).__name__}: {exc}")
             progress.finish(failed=True)
             return CompletedRequest(record, "", item.max_tokens, item.num_input_tokens)
+        return self._completed(item, result, progress)
+
+    def _run_openai(self, item: WorkItem, progress: Progress) -> CompletedRequest:
+        start = time.monotonic()
+        try:
+            if self.client is None:
+                self.client = OpenAIStreamingClient(self.url, self.model, self.timeout_s)
+            result = self.client.generate(item.prompt, item.max_tokens, ignore_eos=True,
+                                          on_chunk=lambda _result: progress.add_tokens(1))
+        except Exception as exc:  # noqa: BLE001 (connection refused, timeouts: a failed request, not a crash)
+            self.close(cancel=True)
+            record = RequestRecord(start, time.monotonic(), None, (), 0, item.num_input_tokens,
+                                   error=f"{type(exc).__name__}: {exc}")
+            progress.finish(failed=True)
+            return CompletedRequest(record, "", item.max_tokens, item.num_input_tokens)
+        return self._completed(item, result, progress)
+
+    @staticmethod
+    def _completed(item: WorkItem, result, progress: Progress) -> CompletedRequest:
         error = result.error
         if error is None and result.finish_reason == "abort":
             error = "request aborted by the server"
@@ -94,8 +122,10 @@ def run_workload(
     timeout_s: float = 600.0,
     max_concurrency: int = 256,
     progress: Progress | None = None,
+    api: str = API_TRITON,
 ) -> tuple[list[CompletedRequest], float]:
-    """Runs every item under ``pattern``; returns results in item order and the wall duration (s)."""
+    """Runs every item under ``pattern`` against ``api`` at ``url``; returns results in item order and
+    the wall duration (s)."""
     progress = progress or Progress(pattern.label, len(items), interval_s=0)
     results: list[CompletedRequest | None] = [None] * len(items)
     offsets = send_offsets(pattern, len(items), seed)
@@ -104,7 +134,7 @@ def run_workload(
     work: queue.SimpleQueue = queue.SimpleQueue()
 
     def serve_user() -> None:
-        user = _User(url, model, timeout_s)
+        user = _User(url, model, timeout_s, api)
         try:
             while True:
                 index = work.get()
