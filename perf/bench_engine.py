@@ -56,10 +56,10 @@ def run_engine(model_folder: str, workload, overrides: dict[str, str]) -> dict:
             "preemptions": engine.stats().num_preemptions}
 
 
-def run_static(model_dir: str, workload, batch_size: int) -> dict:
+def run_static(model_dir: str, workload, batch_size: int, dtype: str = "float32") -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model.eval()
     useful = 0
     start = time.perf_counter()

@@ -1,0 +1,84 @@
+"""Our engine in-process, driven by the load generator's arrival logic, timed like a client would be.
+
+No server, no IPC: requests go straight into ``LLMEngine.add_request`` and the caller steps the
+engine. Arrivals follow the same ``ArrivalPattern`` as client.bench: closed-loop concurrency N keeps
+N requests in the engine (the next one is added when one finishes), open-loop rate/burst patterns
+add each request once its send offset has passed (sleeping only when the engine is idle). Each
+request's times (added, every step that gave it tokens, finished) are taken with
+``time.monotonic()`` right after the step, so TTFT, ITL, TPOT and E2E mean what they mean for a
+streaming client, minus the transport. This is the ceiling the Triton path is measured against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from client.bench.arrivals import ArrivalPattern, send_offsets
+from client.bench.progress import Progress
+from client.bench.stats import RequestRecord
+
+
+def run_engine_in_process(
+    model_folder: str,
+    requests: Sequence[tuple[list[int], int]],  # (prompt token ids with BOS, forced output tokens) each
+    pattern: ArrivalPattern,
+    overrides: dict[str, str] | None = None,
+    seed: int = 0,
+    progress_interval_s: float = 5.0,
+) -> tuple[list[RequestRecord], float, dict]:
+    """Runs ``requests`` through a fresh engine configured by ``model_folder``'s config.pbtxt.
+
+    Returns the per-request records (input order), the wall duration (s) from the first arrival to
+    the last token, and a summary of the engine (steps, preemptions, prefix-cache hits, config).
+    """
+    from backend.config import engine_config_from_model_folder
+    from backend.engine import LLMEngine
+    from backend.request import SamplingParams
+
+    config = engine_config_from_model_folder(model_folder, **(overrides or {}))
+    engine = LLMEngine(config)
+    engine.generate([list(requests[0][0][:8])], [SamplingParams(max_tokens=2, ignore_eos=True)])  # warm-up
+
+    offsets = send_offsets(pattern, len(requests), seed)
+    limit = int(pattern.value) if offsets is None else len(requests)
+    pending = deque(range(len(requests)))
+    start_times: dict[int, float] = {}
+    token_times: dict[int, list[float]] = {}
+    num_tokens: dict[int, int] = {}
+    records: list[RequestRecord | None] = [None] * len(requests)
+    in_flight = steps = 0
+    with Progress(pattern.label, len(requests), progress_interval_s) as progress:
+        start = time.monotonic()
+        while pending or in_flight:
+            now = time.monotonic()
+            while pending and in_flight < limit and (offsets is None or start + offsets[pending[0]] <= now):
+                index = pending.popleft()
+                prompt, max_tokens = requests[index]
+                engine.add_request(str(index), prompt_token_ids=list(prompt),
+                                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                start_times[index], token_times[index], num_tokens[index] = now, [], 0
+                in_flight += 1
+            if not in_flight:  # open loop, engine idle: wait for the next arrival
+                time.sleep(max(0.0, start + offsets[pending[0]] - time.monotonic()))
+                continue
+            outputs = engine.step()
+            steps += 1
+            now = time.monotonic()
+            for output in outputs:
+                index = int(output.request_id)
+                if output.new_token_ids:
+                    token_times[index].append(now)
+                    num_tokens[index] += len(output.new_token_ids)
+                    progress.add_tokens(len(output.new_token_ids))
+                if output.finished:
+                    times = token_times[index]
+                    records[index] = RequestRecord(start_times[index], now, times[0] if times else None, tuple(times),
+                                                   num_tokens[index], len(requests[index][0]), error=output.error)
+                    progress.finish(failed=output.error is not None)
+                    in_flight -= 1
+        duration = time.monotonic() - start
+    stats = engine.stats()
+    summary = {"steps": steps, "preemptions": stats.num_preemptions, "config": str(config)}
+    return [r for r in records if r is not None], duration, summary

@@ -1,0 +1,162 @@
+"""perf.compare's results: one row per system, a markdown table with ratios, and a bar chart.
+
+Ratios are "ours / theirs" on output-token throughput, against our Triton path and our engine
+in-process, so a ratio above 1 means we lead. Latency columns are blank where a system cannot
+observe them (offline transformers runs see only when a batch or request ended).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from client.bench.report import MISSING_MATPLOTLIB
+from client.bench.stats import BenchmarkMetrics
+
+TRITON_NAME_PREFIX = "Triton llm"
+ENGINE_NAME_PREFIX = "our engine"
+
+
+@dataclass(slots=True)
+class SystemResult:
+    name: str
+    arrival: str
+    output_tokens: int
+    duration_s: float
+    num_requests: int
+    num_errors: int = 0
+    mismatched_lengths: int = 0  # requests whose token counts differ from the workload's
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    e2e_p50_ms: float | None = None
+    load_before: float | None = None  # 1-minute load average when the system started and ended
+    load_after: float | None = None
+
+    @property
+    def output_token_throughput(self) -> float:
+        return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+    @classmethod
+    def from_metrics(cls, name: str, metrics: BenchmarkMetrics, arrival: str, mismatched: int = 0,
+                     load: tuple[float, float] | None = None) -> SystemResult:
+        m = metrics.to_dict()
+        return cls(name=name, arrival=arrival, output_tokens=m["total_output_tokens"], duration_s=m["duration_s"],
+                   num_requests=m["num_completed"] + m["num_errors"], num_errors=m["num_errors"],
+                   mismatched_lengths=mismatched, ttft_p50_ms=m["ttft_ms"].get("p50"),
+                   ttft_p99_ms=m["ttft_ms"].get("p99"), itl_p50_ms=m["itl_ms"].get("p50"),
+                   itl_p99_ms=m["itl_ms"].get("p99"), tpot_p50_ms=m["tpot_ms"].get("p50"),
+                   e2e_p50_ms=m["e2e_ms"].get("p50"), load_before=load[0] if load else None,
+                   load_after=load[1] if load else None)
+
+    @classmethod
+    def offline(cls, name: str, done: dict, arrival: str, load: tuple[float, float] | None = None) -> SystemResult:
+        """From an offline runner's {"output_tokens", "seconds", optional "per_request"} dict."""
+        per_request = done.get("per_request") or []
+        ttfts = sorted(r["ttft_s"] * 1000 for r in per_request if r.get("ttft_s") is not None)
+        e2es = sorted(r["e2e_s"] * 1000 for r in per_request if r.get("e2e_s") is not None)
+
+        def p(values: list[float], q: float) -> float | None:
+            if not values:
+                return None
+            index = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+            return values[index]
+
+        return cls(name=name, arrival=arrival, output_tokens=int(done["output_tokens"]),
+                   duration_s=float(done["seconds"]), num_requests=len(per_request) or done.get("num_requests", 0),
+                   ttft_p50_ms=p(ttfts, 50), ttft_p99_ms=p(ttfts, 99), e2e_p50_ms=p(e2es, 50),
+                   load_before=load[0] if load else None, load_after=load[1] if load else None)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "output_token_throughput": self.output_token_throughput}
+
+
+def _find(results: list[SystemResult], prefix: str) -> SystemResult | None:
+    return next((r for r in results if r.name.startswith(prefix)), None)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _ratio(ours: SystemResult | None, theirs: SystemResult) -> str:
+    if ours is None or theirs.output_token_throughput <= 0:
+        return "-"
+    return f"{ours.output_token_throughput / theirs.output_token_throughput:.2f}x"
+
+
+def markdown_report(document: dict, results: list[SystemResult]) -> str:
+    """The table (one row per system, ratios against ours) and the headline ratios."""
+    workload = document["workload"]
+    triton, engine = _find(results, TRITON_NAME_PREFIX), _find(results, ENGINE_NAME_PREFIX)
+    lines = [
+        f"Workload: {workload['num_requests']} requests, input {workload['input_len']} "
+        f"({workload['prompt_tokens']} tokens), output {workload['output_len']} ({workload['output_tokens']} tokens, "
+        f"forced), {workload['arrival']['label']}, {workload['dtype']}, seed {workload['seed']}. "
+        f"Commit {str(document['git'].get('commit'))[:10]}{' (dirty)' if document['git'].get('dirty') else ''}, "
+        f"{document['machine'].get('cpu_count', '?')} CPUs. Latencies in ms.",
+        "",
+        "| system | arrivals | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | E2E p50 | errors "
+        "| length mismatches | load avg start/end | Triton llm / this | engine / this |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for r in results:
+        load = "-" if r.load_before is None else f"{r.load_before:.1f}/{r.load_after:.1f}"
+        lines.append(
+            f"| {r.name} | {r.arrival} | {r.output_token_throughput:.1f} | {_ms(r.ttft_p50_ms)} | {_ms(r.ttft_p99_ms)} "
+            f"| {_ms(r.itl_p50_ms)} | {_ms(r.itl_p99_ms)} | {_ms(r.tpot_p50_ms)} | {_ms(r.e2e_p50_ms)} | {r.num_errors} "
+            f"| {r.mismatched_lengths} | {load} | {_ratio(triton, r)} | {_ratio(engine, r)} |")
+    lines.append("")
+    vllm = [r for r in results if r.name.startswith("vLLM")]
+    best_vllm = max(vllm, key=lambda r: r.output_token_throughput, default=None)
+    static = _find(results, "transformers static")
+    headline = []
+    if engine and static:
+        headline.append(f"- engine / transformers static: **{_ratio(engine, static)}** (target >= 3x)")
+    if triton and static:
+        headline.append(f"- Triton llm / transformers static: **{_ratio(triton, static)}**")
+    if best_vllm and engine:
+        headline.append(f"- engine / best vLLM ({best_vllm.name}): **{_ratio(engine, best_vllm)}** (target >= 1.0x)")
+    if best_vllm and triton:
+        headline.append(f"- Triton llm / best vLLM ({best_vllm.name}): **{_ratio(triton, best_vllm)}**")
+    if triton and engine:
+        headline.append(f"- Triton llm / engine in-process: **{_ratio(triton, engine)}** (target >= 0.9x)")
+    return "\n".join(lines + headline) + "\n"
+
+
+def write_plot(results: list[SystemResult], path: str | Path) -> str:
+    """Output tok/s per system (bars) with TTFT p50 where known; returns a message."""
+    try:
+        import matplotlib  # noqa: PLC0415  (optional: the perf extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return MISSING_MATPLOTLIB
+    if not results:
+        return "no results to plot"
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    names = [r.name.replace(" (", "\n(") for r in results]
+    colors = ["tab:blue" if r.name.startswith((TRITON_NAME_PREFIX, ENGINE_NAME_PREFIX)) else "tab:gray" for r in results]
+    left.barh(names, [r.output_token_throughput for r in results], color=colors)
+    left.invert_yaxis()
+    left.set_xlabel("output tokens/s (higher is better)")
+    left.set_title("Throughput")
+    for y, r in enumerate(results):
+        left.annotate(f"{r.output_token_throughput:.0f}", (r.output_token_throughput, y), xytext=(3, -3),
+                      textcoords="offset points", fontsize=8)
+    timed = [r for r in results if r.ttft_p50_ms is not None]
+    right.barh([r.name.replace(" (", "\n(") for r in timed], [r.ttft_p50_ms for r in timed],
+               color=["tab:blue" if r.name.startswith((TRITON_NAME_PREFIX, ENGINE_NAME_PREFIX)) else "tab:gray"
+                      for r in timed])
+    right.invert_yaxis()
+    right.set_xlabel("TTFT p50, ms (lower is better)")
+    right.set_title("Time to first token")
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return f"plot written to {path}"
