@@ -1,7 +1,7 @@
 """One workload, one model, every system one after the other, one table of ratios.
 
     .venv/bin/python -m perf.compare [--systems triton,engine,vllm,hf-continuous,hf-static] \\
-        [--num-requests 64] [--input-len uniform:16:512] [--output-len uniform:16:256] [--out-dir DIR]
+        [--num-requests 32] [--input-len uniform:32:256] [--output-len uniform:32:128] [--out-dir DIR]
 
 Systems (same prompts, same forced output lengths, greedy, same dtype):
 
@@ -10,7 +10,7 @@ Systems (same prompts, same forced output lengths, greedy, same dtype):
 * ``vllm``: vLLM's CPU build from ``make peers`` through its OpenAI streaming endpoint, with the
   same load generator (``--api openai``); run in the ``default`` and ``tuned`` setups
   (perf.compare.vllm_server) and compared against the better one;
-* ``hf-continuous``: transformers' own continuous batching (generate_batch, paged attention);
+* ``hf-continuous``: transformers' own continuous batching (perf.compare.transformers_continuous);
 * ``hf-static``: transformers ``generate()`` in arrival-order batches padded and run to their
   longest member (request-level static batching).
 
@@ -50,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
     parser.add_argument("--model", default="llm", help="the Triton model, and the engine's config.pbtxt folder")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--input-len", default="uniform:16:512", help="client.bench length spec (default: %(default)s)")
-    parser.add_argument("--output-len", default="uniform:16:256", help="client.bench length spec (default: %(default)s)")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--input-len", default="uniform:32:256", help="client.bench length spec (default: %(default)s)")
+    parser.add_argument("--output-len", default="uniform:32:128", help="client.bench length spec (default: %(default)s)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="closed-loop users (default: all requests at once)")
     load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s")
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
             done = run_transformers_continuous(model_dir, token_requests, progress_interval_s=args.progress_interval)
             extra["hf-continuous"] = done.get("config", {})
-            note(SystemResult.offline("transformers continuous batching (generate_batch)", done, offline.label,
+            note(SystemResult.offline("transformers continuous batching (ContinuousBatchingManager)", done, offline.label,
                                       load=(load_before, os.getloadavg()[0])))
         elif system == "hf-static":
             from perf.bench_engine import run_static
