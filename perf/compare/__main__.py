@@ -38,6 +38,7 @@ from client.bench.prompts import PromptBuilder
 from client.bench.runner import API_OPENAI, API_TRITON, run_workload
 from client.bench.stats import compute_metrics
 from client.bench.workload import build_workload
+from perf.compare.cpu_meter import CpuMeter
 from perf.compare.report import SystemResult, markdown_report, write_plot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -103,12 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {result.name}: {result.output_tokens} tokens in {result.duration_s:.1f} s = "
               f"{result.output_token_throughput:.1f} out tok/s", flush=True)
 
-    def served_result(name: str, completed, duration: float, load_before: float) -> SystemResult:
+    def served_result(name: str, completed, duration: float, load_before: float, cpu: CpuMeter) -> SystemResult:
         records = [c.record for c in completed]
         mismatched = sum(1 for c in completed if not c.record.error and (
             c.record.num_output_tokens != c.expected_output_tokens or c.record.num_input_tokens != c.expected_input_tokens))
-        return SystemResult.from_metrics(name, compute_metrics(records, duration), pattern.label,
-                                         mismatched=mismatched, load=(load_before, os.getloadavg()[0]))
+        result = SystemResult.from_metrics(name, compute_metrics(records, duration), pattern.label,
+                                           mismatched=mismatched, load=(load_before, os.getloadavg()[0]))
+        result.server_cpu_s, result.client_cpu_s = cpu.server_seconds(), cpu.client_seconds()
+        return result
 
     for system in systems:
         load_before = os.getloadavg()[0]
@@ -124,20 +127,24 @@ def main(argv: list[str] | None = None) -> int:
             server = start_server(repository, ready_timeout=300)
             try:
                 run_workload(server.grpc_url, args.model, warmup, ArrivalPattern("concurrency", 1))
+                cpu = CpuMeter(server.process.pid)
                 with Progress("triton " + pattern.label, len(items), args.progress_interval) as progress:
                     completed, duration = run_workload(server.grpc_url, args.model, items, pattern, seed=args.seed,
                                                        progress=progress, api=API_TRITON)
+                cpu.stop()
             finally:
                 server.stop()
-            note(served_result("Triton llm (gRPC streaming)", completed, duration, load_before))
+            note(served_result("Triton llm (gRPC streaming)", completed, duration, load_before, cpu))
         elif system == "engine":
             from perf.compare.engine_in_process import run_engine_in_process
 
             records, duration, summary = run_engine_in_process(model_folder, token_requests, pattern,
                                                                {"dtype": args.dtype}, args.seed, args.progress_interval)
             extra["engine"] = summary
-            note(SystemResult.from_metrics("our engine in-process", compute_metrics(records, duration), pattern.label,
-                                           load=(load_before, os.getloadavg()[0])))
+            result = SystemResult.from_metrics("our engine in-process", compute_metrics(records, duration),
+                                               pattern.label, load=(load_before, os.getloadavg()[0]))
+            result.server_cpu_s = summary["cpu_s"]
+            note(result)
         elif system == "vllm":
             from perf.compare.vllm_server import start_vllm, vllm_version
 
@@ -151,20 +158,22 @@ def main(argv: list[str] | None = None) -> int:
                     from perf.compare.vllm_server import SERVED_MODEL_NAME
 
                     run_workload(server.url, SERVED_MODEL_NAME, warmup, ArrivalPattern("concurrency", 1), api=API_OPENAI)
+                    cpu = CpuMeter(server.process.pid)
                     with Progress(f"vllm-{setup} " + pattern.label, len(items), args.progress_interval) as progress:
                         completed, duration = run_workload(server.url, SERVED_MODEL_NAME, items, pattern,
                                                            seed=args.seed, progress=progress, api=API_OPENAI)
+                    cpu.stop()
                 finally:
                     server.stop()
                 extra["vllm"]["setups"][setup] = {"env": server.env, "log": str(server.log_path)}
-                note(served_result(f"vLLM CPU, {setup} (OpenAI streaming)", completed, duration, load_before))
+                note(served_result(f"vLLM CPU, {setup} (OpenAI streaming)", completed, duration, load_before, cpu))
         elif system == "hf-continuous":
             from perf.compare.transformers_continuous import run_transformers_continuous
 
             done = run_transformers_continuous(model_dir, token_requests, progress_interval_s=args.progress_interval)
             extra["hf-continuous"] = done.get("config", {})
-            note(SystemResult.offline("transformers continuous batching (ContinuousBatchingManager)", done, offline.label,
-                                      load=(load_before, os.getloadavg()[0])))
+            note(SystemResult.offline("transformers continuous batching (ContinuousBatchingManager)", done,
+                                      offline.label, load=(load_before, os.getloadavg()[0])))
         elif system == "hf-static":
             from perf.bench_engine import run_static
 

@@ -31,7 +31,8 @@ def run_engine_in_process(
     """Runs ``requests`` through a fresh engine configured by ``model_folder``'s config.pbtxt.
 
     Returns the per-request records (input order), the wall duration (s) from the first arrival to
-    the last token, and a summary of the engine (steps, preemptions, prefix-cache hits, config).
+    the last token, and a summary of the engine (steps, preemptions, CPU seconds of this process
+    over the timed run, config).
     """
     from backend.config import engine_config_from_model_folder
     from backend.engine import LLMEngine
@@ -50,7 +51,7 @@ def run_engine_in_process(
     records: list[RequestRecord | None] = [None] * len(requests)
     in_flight = steps = 0
     with Progress(pattern.label, len(requests), progress_interval_s) as progress:
-        start = time.monotonic()
+        start, cpu_start = time.monotonic(), time.process_time()
         while pending or in_flight:
             now = time.monotonic()
             while pending and in_flight < limit and (offsets is None or start + offsets[pending[0]] <= now):
@@ -78,7 +79,7 @@ def run_engine_in_process(
                                                    num_tokens[index], len(requests[index][0]), error=output.error)
                     progress.finish(failed=output.error is not None)
                     in_flight -= 1
-        duration = time.monotonic() - start
+        duration, cpu_s = time.monotonic() - start, time.process_time() - cpu_start
     stats = engine.stats()
-    summary = {"steps": steps, "preemptions": stats.num_preemptions, "config": str(config)}
+    summary = {"steps": steps, "preemptions": stats.num_preemptions, "cpu_s": cpu_s, "config": str(config)}
     return [r for r in records if r is not None], duration, summary

@@ -34,6 +34,14 @@ class SystemResult:
     e2e_p50_ms: float | None = None
     load_before: float | None = None  # 1-minute load average when the system started and ended
     load_after: float | None = None
+    server_cpu_s: float | None = None  # CPU seconds of the server's processes (or of the in-process system)
+    client_cpu_s: float | None = None  # CPU seconds of the load generator (served systems only)
+
+    @property
+    def tokens_per_cpu_second(self) -> float | None:
+        """Output tokens per CPU second of everything the run needed: server and client."""
+        total = (self.server_cpu_s or 0.0) + (self.client_cpu_s or 0.0)
+        return self.output_tokens / total if total > 0 else None
 
     @property
     def output_token_throughput(self) -> float:
@@ -70,7 +78,8 @@ class SystemResult:
                    load_before=load[0] if load else None, load_after=load[1] if load else None)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "output_token_throughput": self.output_token_throughput}
+        return {**asdict(self), "output_token_throughput": self.output_token_throughput,
+                "tokens_per_cpu_second": self.tokens_per_cpu_second}
 
 
 def _find(results: list[SystemResult], prefix: str) -> SystemResult | None:
@@ -99,15 +108,19 @@ def markdown_report(document: dict, results: list[SystemResult]) -> str:
         f"{document['machine'].get('cpu_count', '?')} CPUs. Latencies in ms.",
         "",
         "| system | arrivals | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | E2E p50 | errors "
-        "| length mismatches | load avg start/end | Triton llm / this | engine / this |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| length mismatches | CPU s server/client | out tok per CPU s | load avg start/end | Triton llm / this "
+        "| engine / this |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for r in results:
         load = "-" if r.load_before is None else f"{r.load_before:.1f}/{r.load_after:.1f}"
+        cpu = "-" if r.server_cpu_s is None else f"{r.server_cpu_s:.1f}/" + (
+            "-" if r.client_cpu_s is None else f"{r.client_cpu_s:.1f}")
+        per_cpu = "-" if r.tokens_per_cpu_second is None else f"{r.tokens_per_cpu_second:.0f}"
         lines.append(
             f"| {r.name} | {r.arrival} | {r.output_token_throughput:.1f} | {_ms(r.ttft_p50_ms)} | {_ms(r.ttft_p99_ms)} "
             f"| {_ms(r.itl_p50_ms)} | {_ms(r.itl_p99_ms)} | {_ms(r.tpot_p50_ms)} | {_ms(r.e2e_p50_ms)} | {r.num_errors} "
-            f"| {r.mismatched_lengths} | {load} | {_ratio(triton, r)} | {_ratio(engine, r)} |")
+            f"| {r.mismatched_lengths} | {cpu} | {per_cpu} | {load} | {_ratio(triton, r)} | {_ratio(engine, r)} |")
     lines.append("")
     vllm = [r for r in results if r.name.startswith("vLLM")]
     best_vllm = max(vllm, key=lambda r: r.output_token_throughput, default=None)

@@ -1,0 +1,150 @@
+"""Where one engine step's time goes: phases (schedule, prepare, forward, sample, outputs) and operators.
+
+Builds the engine from the `llm` config.pbtxt, puts ``--batch`` requests of ``--prompt-len`` tokens
+into it and steps until all of them decode, then times ``--steps`` decode steps two ways:
+
+* phases, by wrapping the step's parts (scheduler, model-runner input preparation, the forward
+  pass, the lm head, the sampler) with wall-clock timers: what the rest of ``LLMEngine.step`` costs is the
+  remainder (bookkeeping, detokenization, building outputs);
+* operators, with ``torch.profiler`` on CPU, grouped into linear layers, attention, norms, rotary
+  embedding, activations and the rest.
+
+    .venv/bin/python -m perf.profile_step [--batch 32] [--prompt-len 128] [--steps 20] [--mixed]
+
+``--mixed`` profiles steps that also prefill a new prompt (chunked prefill of ``--prompt-len``
+tokens alongside the decodes), the step shape that dominates under steady arrivals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# aten/mkldnn operator name fragments -> category (first match wins)
+CATEGORIES = (
+    ("linear", ("linear", "addmm", "aten::mm", "matmul", "mkldnn", "onednn")),
+    ("attention", ("scaled_dot_product", "bmm", "softmax", "baddbmm", "index_select", "gather", "index_put",
+                   "masked_fill", "repeat_interleave")),
+    ("norm", ("rsqrt", "pow", "mean", "rms_norm")),
+    ("activation", ("silu", "gelu")),
+    ("elementwise", ("aten::mul", "aten::add", "aten::cat", "aten::neg", "aten::sub", "aten::div", "copy_",
+                     "aten::to", "contiguous", "clone")),
+)
+
+
+@contextmanager
+def timed(totals: dict[str, float], name: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        totals[name] += time.perf_counter() - start
+
+
+def wrap(obj, attribute: str, totals: dict[str, float], name: str) -> None:
+    """Replaces ``obj.attribute`` by a version that adds its wall time to ``totals[name]``."""
+    original = getattr(obj, attribute)
+
+    def wrapper(*args, **kwargs):
+        with timed(totals, name):
+            return original(*args, **kwargs)
+
+    setattr(obj, attribute, wrapper)
+
+
+def category(op_name: str) -> str:
+    for name, fragments in CATEGORIES:
+        if any(fragment in op_name for fragment in fragments):
+            return name
+    return "other"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.profile_step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-folder", default=str(REPO_ROOT / "model_repository" / "llm"))
+    parser.add_argument("--batch", type=int, default=32, help="requests decoding together (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20, help="steps timed (default: %(default)s)")
+    parser.add_argument("--mixed", action="store_true", help="each timed step also prefills a new prompt")
+    parser.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE",
+                        help="override a config.pbtxt parameter (repeatable)")
+    args = parser.parse_args(argv)
+
+    from backend.config import engine_config_from_model_folder
+    from backend.engine import LLMEngine
+    from backend.request import SamplingParams
+
+    overrides = dict(item.split("=", 1) for item in args.set)
+    engine = LLMEngine(engine_config_from_model_folder(args.model_folder, **overrides))
+    rng = random.Random(0)
+
+    def prompt() -> list[int]:
+        return [1] + [rng.randrange(3, engine.hf_config.vocab_size) for _ in range(args.prompt_len - 1)]
+
+    long_enough = SamplingParams(max_tokens=10 * args.steps + 64, ignore_eos=True)
+    for index in range(args.batch):
+        engine.add_request(f"decode-{index}", prompt_token_ids=prompt(), sampling_params=long_enough)
+    while any(r.num_output_tokens == 0 for r in engine.requests.values()):  # prefill everything first
+        engine.step()
+    for _ in range(3):  # warm-up decode steps
+        engine.step()
+
+    phases: dict[str, float] = defaultdict(float)
+    wrap(engine.scheduler, "schedule", phases, "schedule")
+    wrap(engine.model_runner, "prepare", phases, "prepare inputs")
+    wrap(engine.model_runner.model, "forward", phases, "forward (model)")
+    wrap(engine.model_runner.model, "compute_logits", phases, "logits (lm head)")
+    wrap(engine, "sampler", phases, "sample")
+    op_times: dict[str, float] = defaultdict(float)
+    step_total = 0.0
+    tokens = 0
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    for step in range(args.steps):
+        if args.mixed:
+            engine.add_request(f"prefill-{step}", prompt_token_ids=prompt(), sampling_params=SamplingParams(max_tokens=1))
+        with torch.profiler.profile(activities=activities) as profiler:
+            start = time.perf_counter()
+            outputs = engine.step()
+            step_total += time.perf_counter() - start
+        tokens += sum(len(o.new_token_ids) for o in outputs)
+        for event in profiler.key_averages():
+            if event.key.startswith(("aten::", "mkldnn::", "onednn::")) or "linear" in event.key:
+                op_times[event.key] += event.self_cpu_time_total / 1e6
+
+    per_step_ms = step_total / args.steps * 1000
+    print(f"{args.batch} requests decoding ({args.prompt_len}-token prompts){', plus one prefill per step' if args.mixed else ''};"
+          f" {args.steps} steps, {tokens} tokens; torch threads {torch.get_num_threads()}")
+    print(f"mean step: {per_step_ms:.1f} ms ({tokens / step_total:.0f} tok/s while profiled; the profiler adds overhead)\n")
+    print("| phase | ms per step | share |\n| --- | ---: | ---: |")
+    accounted = 0.0
+    for name in ("schedule", "prepare inputs", "forward (model)", "logits (lm head)", "sample"):
+        value = phases[name] / args.steps * 1000
+        accounted += value
+        print(f"| {name} | {value:.2f} | {value / per_step_ms:.0%} |")
+    rest = per_step_ms - accounted
+    print(f"| rest of step (bookkeeping, detokenize, outputs) | {rest:.2f} | {rest / per_step_ms:.0%} |\n")
+
+    by_category: dict[str, float] = defaultdict(float)
+    for name, seconds in op_times.items():
+        by_category[category(name)] += seconds
+    total_ops = sum(by_category.values()) or 1.0
+    print("| operator category (self CPU time) | ms per step | share of operator time |\n| --- | ---: | ---: |")
+    for name, seconds in sorted(by_category.items(), key=lambda item: -item[1]):
+        print(f"| {name} | {seconds / args.steps * 1000:.2f} | {seconds / total_ops:.0%} |")
+    print("\ntop operators:")
+    for name, seconds in sorted(op_times.items(), key=lambda item: -item[1])[:12]:
+        print(f"  {seconds / args.steps * 1000:7.2f} ms  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

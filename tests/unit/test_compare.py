@@ -1,0 +1,122 @@
+"""perf.compare's parts that need no peer stack: the in-process driver, the report, the repository copy, CPU meter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from client.bench.arrivals import ArrivalPattern
+from client.bench.stats import RequestRecord, compute_metrics
+from perf.compare.cpu_meter import CpuMeter
+from perf.compare.report import SystemResult, markdown_report
+from perf.compare.repository import repository_with_overrides
+from tests.conftest import REPO_ROOT
+
+
+def _max_in_flight(records: list[RequestRecord]) -> int:
+    events = sorted([(r.start_time, 1) for r in records] + [(r.end_time, -1) for r in records],
+                    key=lambda e: (e[0], e[1]))  # an end at the same instant as a start frees the slot first
+    current = peak = 0
+    for _, delta in events:
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+@pytest.fixture(scope="module")
+def small_requests(demo_model_dir):
+    return [([1] + list(range(10, 10 + n)), out) for n, out in ((12, 5), (30, 3), (7, 6), (20, 1), (9, 4))]
+
+
+def test_engine_in_process_closed_loop_keeps_the_concurrency_and_counts_every_token(small_requests):
+    from perf.compare.engine_in_process import run_engine_in_process
+
+    records, duration, summary = run_engine_in_process(str(REPO_ROOT / "model_repository" / "llm"), small_requests,
+                                                       ArrivalPattern("concurrency", 2), progress_interval_s=0)
+    assert len(records) == len(small_requests) and duration > 0 and summary["steps"] > 0
+    for record, (prompt, max_tokens) in zip(records, small_requests, strict=True):
+        assert record.error is None
+        assert record.num_output_tokens == max_tokens == len(record.token_times)
+        assert record.num_input_tokens == len(prompt)
+        assert record.start_time < record.first_token_time <= record.end_time
+        assert list(record.token_times) == sorted(record.token_times)
+    assert _max_in_flight(records) == 2
+    metrics = compute_metrics(records, duration)
+    assert metrics.total_output_tokens == sum(n for _, n in small_requests)
+
+
+def test_engine_in_process_open_loop_waits_for_each_arrival(small_requests):
+    from perf.compare.engine_in_process import run_engine_in_process
+
+    pattern = ArrivalPattern("burst", 2, burst_interval_s=0.3)  # requests 0-1 at 0 s, 2-3 at 0.3 s, 4 at 0.6 s
+    records, _, _ = run_engine_in_process(str(REPO_ROOT / "model_repository" / "llm"), small_requests, pattern,
+                                          progress_interval_s=0)
+    first = min(r.start_time for r in records)
+    offsets = [r.start_time - first for r in records]
+    assert offsets[1] < 0.05
+    assert offsets[2] >= 0.3 and offsets[3] >= 0.3
+    assert offsets[4] >= 0.6
+
+
+def _served(name: str, tokens: int, seconds: float) -> SystemResult:
+    records = [RequestRecord(0.0, seconds, 0.1, (0.1, seconds), tokens, 10)]
+    return SystemResult.from_metrics(name, compute_metrics(records, seconds), "concurrency=1")
+
+
+def test_report_ratios_are_ours_over_theirs():
+    results = [
+        _served("Triton llm (gRPC streaming)", 300, 1.0),
+        _served("our engine in-process", 400, 1.0),
+        _served("vLLM CPU, default (OpenAI streaming)", 200, 1.0),
+        _served("vLLM CPU, tuned (OpenAI streaming)", 500, 1.0),
+        SystemResult.offline("transformers static batching (batch 32)", {"output_tokens": 100, "seconds": 1.0},
+                             "concurrency=1"),
+    ]
+    results[0].server_cpu_s, results[0].client_cpu_s = 2.0, 1.0
+    document = {"workload": {"num_requests": 1, "input_len": "10", "output_len": "300", "prompt_tokens": 10,
+                             "output_tokens": 300, "arrival": {"label": "concurrency=1"}, "dtype": "float32",
+                             "seed": 0},
+                "git": {"commit": "abc", "dirty": False}, "machine": {"cpu_count": 2}}
+    report = markdown_report(document, results)
+    assert "engine / transformers static: **4.00x**" in report
+    assert "Triton llm / transformers static: **3.00x**" in report
+    assert "engine / best vLLM (vLLM CPU, tuned (OpenAI streaming)): **0.80x**" in report
+    assert "Triton llm / engine in-process: **0.75x**" in report
+    triton_row = next(line for line in report.splitlines() if line.startswith("| Triton llm"))
+    assert "| 2.0/1.0 | 100 |" in triton_row  # CPU seconds and 300 tokens / 3 CPU s
+
+
+def test_repository_copy_overrides_a_parameter_and_keeps_paths_valid(tmp_path):
+    from backend.config import engine_config_from_model_folder
+
+    destination = repository_with_overrides(REPO_ROOT / "model_repository", "llm", {"dtype": "bfloat16"}, tmp_path)
+    config = engine_config_from_model_folder(str(destination / "llm"))
+    original = engine_config_from_model_folder(str(REPO_ROOT / "model_repository" / "llm"))
+    assert config.model.dtype == "bfloat16"
+    assert config.model.model_dir == original.model.model_dir and os.path.isdir(config.model.model_dir)
+    assert config.scheduler == original.scheduler
+    assert (destination / "llm" / "1" / "model.py").exists()
+    with pytest.raises(KeyError, match="no_such_parameter"):
+        repository_with_overrides(REPO_ROOT / "model_repository", "llm", {"no_such_parameter": "1"}, tmp_path)
+
+
+def test_cpu_meter_counts_a_busy_process_group_and_this_process():
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 20\nwhile time.time() < end: pass"],
+                            start_new_session=True)
+    try:
+        time.sleep(0.2)  # let the interpreter start
+        meter = CpuMeter(busy.pid)
+        spin_until = time.process_time() + 0.2
+        while time.process_time() < spin_until:
+            pass
+        time.sleep(1.0)
+        meter.stop()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert 0.2 <= meter.client_seconds() < 1.0  # this process spun 0.2 s and then slept
+    assert 0.2 <= meter.server_seconds() <= 1.5  # the busy child ran (a share of) the 1.2 s window
