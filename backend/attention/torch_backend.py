@@ -7,11 +7,14 @@ Writing first matters because a sequence may read blocks that another sequence o
 is filling (a prefix-cache hit on blocks computed in this very step).
 
 How it is fast on CPU (measured with variants; see the report of the commit that added it):
-  * sequences with one new token (decode) are batched into ONE SDPA call: their blocks are
-    gathered into a padded ``[num_decode, max_blocks * block_size, num_kv_heads, head_size]``
-    tensor, a float mask hides the padding, and GQA is handled by viewing the queries as
-    ``[num_decode, num_kv_heads, group, head_size]`` (the group plays the role of query rows,
-    so K/V are never repeated);
+  * sequences with one new token (decode) are batched into a few SDPA calls: their blocks are
+    gathered into a padded ``[n, max_blocks * block_size, num_kv_heads, head_size]`` tensor, a
+    float mask hides the padding, and GQA is handled by viewing the queries as
+    ``[n, num_kv_heads, group, head_size]`` (the group plays the role of query rows, so K/V are
+    never repeated). One call pads every sequence to the longest; when context lengths differ a
+    lot (a 40-token chat next to a 700-token one), the sequences sorted by length are split into
+    up to ``MAX_DECODE_GROUPS`` groups where that saves more padded work than an extra call costs
+    (``plan_decode_groups``);
   * sequences with several new tokens (prefill chunks) get one SDPA call each: ``is_causal``
     straight on this step's K/V when there is no cached prefix, else an explicit offset mask over
     the gathered context; GQA via ``enable_gqa``.
@@ -38,6 +41,58 @@ class _PrefillSeq:
     mask: torch.Tensor | None  # [query_len, seq_len] additive float; None when is_causal suffices
 
 
+MAX_DECODE_GROUPS = 4
+# Fixed cost of one more decode SDPA call (gather, mask, launch), in units of "one sequence attending
+# over one key position": about what 16 sequences x 128 positions of padding cost (measured on CPU).
+DECODE_GROUP_COST = 2048
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    """Decode sequences attended in one SDPA call, padded to the group's longest context."""
+
+    rows: torch.Tensor | None  # [n] int64 indices into the step's decode queries; None: all, in order
+    block_ids: torch.Tensor  # [n * max_blocks] int64
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] additive float
+    size: int
+    max_blocks: int
+
+
+def plan_decode_groups(seq_lens: list[int], block_size: int, max_groups: int | None = None,
+                       group_cost: int | None = None) -> list[list[int]]:
+    """Splits decode sequences (by index) into groups that minimise padded attention work.
+
+    Work of a group = its size x its longest context (in whole blocks), plus ``group_cost`` per
+    group; groups are contiguous runs of the sequences sorted by length, longest first, found by
+    dynamic programming (n <= max_num_seqs, so O(max_groups * n^2) is nothing next to a step).
+    """
+    max_groups = MAX_DECODE_GROUPS if max_groups is None else max_groups
+    group_cost = DECODE_GROUP_COST if group_cost is None else group_cost
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    padded = [-(-seq_lens[i] // block_size) * block_size for i in order]
+    n = len(order)
+    if n == 0:
+        return []
+    inf = float("inf")
+    # best[k][j]: least work covering the first j sorted sequences with k groups
+    best = [[inf] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    best[0][0] = 0.0
+    for k in range(1, max_groups + 1):
+        for j in range(1, n + 1):
+            for i in range(k - 1, j):  # group = sorted[i:j], its longest is padded[i]
+                work = best[k - 1][i] + (j - i) * padded[i] + group_cost
+                if work < best[k][j]:
+                    best[k][j], cut[k][j] = work, i
+    groups_used = min(range(1, max_groups + 1), key=lambda k: best[k][n])
+    groups, j = [], n
+    for k in range(groups_used, 0, -1):
+        i = cut[k][j]
+        groups.append(sorted(order[i:j]))  # index order inside a group: one group of all needs no permutation
+        j = i
+    return groups[::-1]
+
+
 @dataclass(slots=True)
 class _StepPlan:
     """Per-step indices and masks, shared by all layers."""
@@ -48,10 +103,8 @@ class _StepPlan:
     write_slots: torch.Tensor  # [num_valid] int64 slots to write
     write_rows: torch.Tensor | None  # [num_valid] int64 rows of key/value; None: all rows, in order
     decode_rows: torch.Tensor | None  # [num_decode] int64 query rows; None: every row is a decode
-    decode_block_ids: torch.Tensor | None  # [num_decode * max_blocks] int64
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] additive float
+    decode_groups: list[_DecodeGroup]
     num_decode: int
-    decode_max_blocks: int
     prefills: list[_PrefillSeq]
 
 
@@ -109,24 +162,28 @@ class TorchAttentionBackend:
             start += q_len
 
         num_decode = len(decode_idx)
-        decode_rows = decode_block_ids = decode_mask = None
-        decode_max_blocks = 0
-        if num_decode:
-            max_len = max(seq_lens[i] for i in decode_idx)
-            tables = metadata.block_tables
-            dec_seq_lens = metadata.seq_lens
-            if num_decode != len(query_lens):  # mixed step: select the decode sequences
-                seq_sel = torch.tensor(decode_idx, dtype=torch.int64, device=device)
-                decode_rows = torch.tensor(decode_row_list, dtype=torch.int64, device=device)
-                tables = tables.index_select(0, seq_sel)
-                dec_seq_lens = dec_seq_lens.index_select(0, seq_sel)
-            decode_max_blocks = -(-max_len // block_size)
-            decode_block_ids = tables[:, :decode_max_blocks].reshape(-1).to(torch.int64)
-            key_pos = torch.arange(decode_max_blocks * block_size, device=device)
-            allowed = key_pos[None, :] < dec_seq_lens.to(torch.int64)[:, None]
-            decode_mask = _additive_mask(allowed, dtype)[:, None, None, :]
-        return _StepPlan(metadata, dtype, block_size, write_slots, write_rows, decode_rows, decode_block_ids,
-                         decode_mask, num_decode, decode_max_blocks, prefills)
+        decode_rows = None
+        if num_decode and num_decode != len(query_lens):  # mixed step: the decode rows among the queries
+            decode_rows = torch.tensor(decode_row_list, dtype=torch.int64, device=device)
+        decode_groups = []
+        decode_lens = [seq_lens[i] for i in decode_idx]
+        for members in plan_decode_groups(decode_lens, block_size):
+            in_order = len(members) == num_decode and members == sorted(members)
+            if in_order and num_decode == len(query_lens):
+                tables, group_lens, rows = metadata.block_tables, metadata.seq_lens, None
+            else:
+                seqs = torch.tensor([decode_idx[m] for m in members], dtype=torch.int64, device=device)
+                tables = metadata.block_tables.index_select(0, seqs)
+                group_lens = metadata.seq_lens.index_select(0, seqs)
+                rows = None if in_order else torch.tensor(members, dtype=torch.int64, device=device)
+            max_blocks = -(-max(decode_lens[m] for m in members) // block_size)
+            key_pos = torch.arange(max_blocks * block_size, device=device)
+            allowed = key_pos[None, :] < group_lens.to(torch.int64)[:, None]
+            decode_groups.append(_DecodeGroup(rows, tables[:, :max_blocks].reshape(-1).to(torch.int64),
+                                              _additive_mask(allowed, dtype)[:, None, None, :], len(members),
+                                              max_blocks))
+        return _StepPlan(metadata, dtype, block_size, write_slots, write_rows, decode_rows, decode_groups,
+                         num_decode, prefills)
 
     @staticmethod
     def _plan_prefill(metadata: AttentionMetadata, i: int, start: int, q_len: int, s_len: int,
@@ -201,12 +258,34 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_decode, num_heads, head_size]
         _, block_size, num_kv_heads, head_size = key_cache.shape
-        n = plan.num_decode
-        ctx = plan.decode_max_blocks * block_size
-        k = key_cache.index_select(0, plan.decode_block_ids).view(n, ctx, num_kv_heads, head_size)
-        v = value_cache.index_select(0, plan.decode_block_ids).view(n, ctx, num_kv_heads, head_size)
+        if len(plan.decode_groups) == 1 and plan.decode_groups[0].rows is None:
+            return TorchAttentionBackend._decode_group(query, key_cache, value_cache, plan.decode_groups[0], group,
+                                                       scale)
+        output = torch.empty_like(query)
+        for decode_group in plan.decode_groups:
+            q = query if decode_group.rows is None else query.index_select(0, decode_group.rows)
+            out = TorchAttentionBackend._decode_group(q, key_cache, value_cache, decode_group, group, scale)
+            if decode_group.rows is None:
+                output.copy_(out)
+            else:
+                output.index_copy_(0, decode_group.rows, out)
+        return output
+
+    @staticmethod
+    def _decode_group(
+        query: torch.Tensor,  # [n, num_heads, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        decode_group: _DecodeGroup,
+        group: int,
+        scale: float,
+    ) -> torch.Tensor:  # [n, num_heads, head_size]
+        _, block_size, num_kv_heads, head_size = key_cache.shape
+        n, ctx = decode_group.size, decode_group.max_blocks * block_size
+        k = key_cache.index_select(0, decode_group.block_ids).view(n, ctx, num_kv_heads, head_size)
+        v = value_cache.index_select(0, decode_group.block_ids).view(n, ctx, num_kv_heads, head_size)
         q = query.view(n, num_kv_heads, group, head_size)  # the group acts as query rows
         out = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.decode_mask, scale=scale
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=decode_group.mask, scale=scale
         )  # [n, num_kv_heads, group, head_size]
         return out.reshape(n, num_kv_heads * group, head_size)

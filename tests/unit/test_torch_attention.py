@@ -189,3 +189,29 @@ def test_selector():
         get_attention_backend("cupy", "cpu")
     with pytest.raises(ValueError, match="unknown 'flash'"):
         get_attention_backend("flash", "cpu")
+
+
+def test_plan_decode_groups_splits_very_different_lengths_only():
+    from backend.attention.torch_backend import plan_decode_groups
+
+    lens = [700, 20, 690, 30, 25, 710]
+    groups = plan_decode_groups(lens, 16)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))  # each sequence exactly once
+    assert sorted(map(sorted, groups)) == [[0, 2, 5], [1, 3, 4]]
+    assert all(g == sorted(g) for g in groups)
+    assert plan_decode_groups([100, 90, 110, 95], 16) == [[0, 1, 2, 3]]  # similar lengths: one call
+    assert len(plan_decode_groups(lens, 16, group_cost=10**9)) == 1
+    assert len(plan_decode_groups(list(range(1, 400, 7)), 16, max_groups=3, group_cost=0)) == 3
+    assert plan_decode_groups([], 16) == []
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_groups_give_the_same_attention(monkeypatch, ratio, block_size):
+    import backend.attention.torch_backend as torch_backend
+
+    monkeypatch.setattr(torch_backend, "DECODE_GROUP_COST", 0)  # split as much as allowed
+    decodes = [(12 * block_size + 3, 1), (2, 1), (9 * block_size, 1), (block_size - 1, 1), (0, 1), (5 * block_size, 1)]
+    _run_step(decodes, ratio, block_size, seed=3)
+    mixed = [decodes[0], (0, 2 * block_size + 1), decodes[1], (block_size + 2, 5), decodes[2], decodes[3]]
+    _run_step(mixed, ratio, block_size, seed=4)
