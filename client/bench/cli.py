@@ -22,7 +22,13 @@ from client.bench.metadata import git_state, machine_info, now_iso, server_model
 from client.bench.progress import Progress
 from client.bench.prompts import PromptBuilder, PromptError
 from client.bench.report import write_json, write_markdown, write_plots
-from client.bench.runner import API_OPENAI, API_TRITON, CompletedRequest, run_workload
+from client.bench.runner import (
+    API_OPENAI,
+    API_TRITON,
+    CompletedRequest,
+    count_length_mismatches,
+    run_workload,
+)
 from client.bench.stats import SloTargets, compute_metrics
 from client.bench.workload import SharedPrefix, WorkItem, build_workload
 
@@ -146,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         records = [c.record for c in completed]
         metrics = compute_metrics(records, duration, slo, percentiles)
         run_start = min((r.start_time for r in records), default=0.0)
-        mismatched = sum(1 for c in completed if not c.record.error and (
-            c.record.num_output_tokens != c.expected_output_tokens or c.record.num_input_tokens != c.expected_input_tokens))
+        mismatched = count_length_mismatches(completed)
         if mismatched:
             print(f"warning: {mismatched} requests had token counts other than requested", file=sys.stderr)
         runs.append({"arrival": pattern.to_dict(), "metrics": metrics.to_dict(), "num_mismatched_lengths": mismatched,

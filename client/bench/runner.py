@@ -36,6 +36,12 @@ class CompletedRequest:
     expected_input_tokens: int
 
 
+def count_length_mismatches(completed: Sequence[CompletedRequest]) -> int:
+    """Successful requests whose input or output token count differs from what the workload asked for."""
+    return sum(1 for c in completed if not c.record.error and (
+        c.record.num_output_tokens != c.expected_output_tokens or c.record.num_input_tokens != c.expected_input_tokens))
+
+
 API_TRITON = "triton"  # Triton gRPC streaming (client.stream), the `llm` model's tensors
 API_OPENAI = "openai"  # OpenAI-compatible /v1/completions over HTTP (client.openai_stream): vLLM and peers
 
@@ -76,10 +82,7 @@ class _User:
             result = self.client.collect([rid], {rid: start}, self.timeout_s, on_response=on_response)[rid]
         except Exception as exc:  # noqa: BLE001 (connection refused, timeouts: a failed request, not a crash)
             self.close(cancel=True)  # the stream may still hold the request: start afresh
-            record = RequestRecord(start, time.monotonic(), None, (), 0, item.num_input_tokens,
-                                   error=f"{type(exc).__name__}: {exc}")
-            progress.finish(failed=True)
-            return CompletedRequest(record, "", item.max_tokens, item.num_input_tokens)
+            return self._failed(item, start, exc, progress)
         return self._completed(item, result, progress)
 
     def _run_openai(self, item: WorkItem, progress: Progress) -> CompletedRequest:
@@ -91,11 +94,16 @@ class _User:
                                           on_chunk=lambda _result: progress.add_tokens(1))
         except Exception as exc:  # noqa: BLE001 (connection refused, timeouts: a failed request, not a crash)
             self.close(cancel=True)
-            record = RequestRecord(start, time.monotonic(), None, (), 0, item.num_input_tokens,
-                                   error=f"{type(exc).__name__}: {exc}")
-            progress.finish(failed=True)
-            return CompletedRequest(record, "", item.max_tokens, item.num_input_tokens)
+            return self._failed(item, start, exc, progress)
         return self._completed(item, result, progress)
+
+    @staticmethod
+    def _failed(item: WorkItem, start: float, exc: Exception, progress: Progress) -> CompletedRequest:
+        """A request that raised before it could complete (no stream, timeout): an error record."""
+        record = RequestRecord(start, time.monotonic(), None, (), 0, item.num_input_tokens,
+                               error=f"{type(exc).__name__}: {exc}")
+        progress.finish(failed=True)
+        return CompletedRequest(record, "", item.max_tokens, item.num_input_tokens)
 
     @staticmethod
     def _completed(item: WorkItem, result, progress: Progress) -> CompletedRequest:

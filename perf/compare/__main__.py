@@ -35,7 +35,7 @@ from client.bench.lengths import parse_length
 from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.progress import Progress
 from client.bench.prompts import PromptBuilder
-from client.bench.runner import API_OPENAI, API_TRITON, run_workload
+from client.bench.runner import API_OPENAI, API_TRITON, count_length_mismatches, run_workload
 from client.bench.stats import compute_metrics
 from client.bench.workload import build_workload
 from perf.compare.cpu_meter import CpuMeter
@@ -106,10 +106,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def served_result(name: str, completed, duration: float, load_before: float, cpu: CpuMeter) -> SystemResult:
         records = [c.record for c in completed]
-        mismatched = sum(1 for c in completed if not c.record.error and (
-            c.record.num_output_tokens != c.expected_output_tokens or c.record.num_input_tokens != c.expected_input_tokens))
         result = SystemResult.from_metrics(name, compute_metrics(records, duration), pattern.label,
-                                           mismatched=mismatched, load=(load_before, os.getloadavg()[0]))
+                                           mismatched=count_length_mismatches(completed),
+                                           load=(load_before, os.getloadavg()[0]))
         result.server_cpu_s, result.client_cpu_s = cpu.server_seconds(), cpu.client_seconds()
         return result
 
