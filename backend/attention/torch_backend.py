@@ -51,7 +51,7 @@ DECODE_GROUP_COST = 2048
 class _DecodeGroup:
     """Decode sequences attended in one SDPA call, padded to the group's longest context."""
 
-    rows: torch.Tensor | None  # [n] int64 indices into the step's decode queries; None: all, in order
+    rows: torch.Tensor | None  # [n] int64 indices into the step's decode queries; None: the only group, all of them
     block_ids: torch.Tensor  # [n * max_blocks] int64
     mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] additive float
     size: int
@@ -167,8 +167,8 @@ class TorchAttentionBackend:
             decode_rows = torch.tensor(decode_row_list, dtype=torch.int64, device=device)
         decode_groups = []
         decode_lens = [seq_lens[i] for i in decode_idx]
-        for members in plan_decode_groups(decode_lens, block_size):
-            in_order = len(members) == num_decode and members == sorted(members)
+        for members in plan_decode_groups(decode_lens, block_size):  # members are in index order
+            in_order = len(members) == num_decode  # the only group: every decode, in order
             if in_order and num_decode == len(query_lens):
                 tables, group_lens, rows = metadata.block_tables, metadata.seq_lens, None
             else:
@@ -257,18 +257,14 @@ class TorchAttentionBackend:
         group: int,
         scale: float,
     ) -> torch.Tensor:  # [num_decode, num_heads, head_size]
-        _, block_size, num_kv_heads, head_size = key_cache.shape
-        if len(plan.decode_groups) == 1 and plan.decode_groups[0].rows is None:
+        if len(plan.decode_groups) == 1:  # one group holds every decode, in order (rows is None)
             return TorchAttentionBackend._decode_group(query, key_cache, value_cache, plan.decode_groups[0], group,
                                                        scale)
         output = torch.empty_like(query)
         for decode_group in plan.decode_groups:
-            q = query if decode_group.rows is None else query.index_select(0, decode_group.rows)
+            q = query.index_select(0, decode_group.rows)
             out = TorchAttentionBackend._decode_group(q, key_cache, value_cache, decode_group, group, scale)
-            if decode_group.rows is None:
-                output.copy_(out)
-            else:
-                output.index_copy_(0, decode_group.rows, out)
+            output.index_copy_(0, decode_group.rows, out)
         return output
 
     @staticmethod
