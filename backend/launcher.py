@@ -105,6 +105,29 @@ def server_environment(installation: TritonInstallation, base: dict[str, str] | 
     return env
 
 
+def stop_process_group(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM to ``process``, then SIGKILL to its whole process group after ``timeout`` seconds.
+
+    ``process`` must lead its own group (``start_new_session=True``). Children share the group
+    (tritonserver's stubs, vLLM's engine core) and are killed even after a clean exit of the
+    leader; returns once none of them is alive (or 10 s after the kill).
+    """
+    pgid = process.pid
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
+    deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to go
+    while live_processes_in_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def live_processes_in_group(pgid: int) -> list[int]:
     """pids of process group ``pgid`` that are not zombies (Linux /proc; [] elsewhere).
 
@@ -186,21 +209,7 @@ class TritonServer:
         if self._stopped:
             return self.process.returncode
         self._stopped = True
-        pgid = self.process.pid  # start_new_session=True: the group id is the server's pid
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        # Stub processes share the group; kill whatever is left (also after a clean exit).
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=10)
-        deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to go
-        while live_processes_in_group(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        stop_process_group(self.process, timeout)
         if self._owns_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
         return self.process.returncode

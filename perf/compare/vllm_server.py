@@ -18,7 +18,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.launcher import free_port
+from backend.launcher import free_port, stop_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_VENV = REPO_ROOT / ".peers" / "vllm"
@@ -42,18 +41,8 @@ class VllmServer:
     env: dict[str, str] = field(default_factory=dict)  # the variables we set (for the report)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM to the process group, SIGKILL after ``timeout_s``."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the engine-core child, if it outlived the parent
-        except ProcessLookupError:
-            pass
-        self.process.wait()
+        """SIGTERM to the API server, SIGKILL to its process group (the engine core too) after ``timeout_s``."""
+        stop_process_group(self.process, timeout_s)
 
 
 def vllm_python(venv: Path = DEFAULT_VLLM_VENV) -> Path:
