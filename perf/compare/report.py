@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from client.bench.report import MISSING_MATPLOTLIB
-from client.bench.stats import BenchmarkMetrics
+from client.bench.stats import BenchmarkMetrics, summarize_ms
 
 TRITON_NAME_PREFIX = "Triton llm"
 ENGINE_NAME_PREFIX = "our engine"
@@ -61,20 +61,14 @@ class SystemResult:
 
     @classmethod
     def offline(cls, name: str, done: dict, arrival: str, load: tuple[float, float] | None = None) -> SystemResult:
-        """From an offline runner's {"output_tokens", "seconds", optional "per_request"} dict."""
+        """From an offline runner's {"output_tokens", "seconds", optional "per_request"} dict; percentiles as
+        client.bench computes them for the served rows."""
         per_request = done.get("per_request") or []
-        ttfts = sorted(r["ttft_s"] * 1000 for r in per_request if r.get("ttft_s") is not None)
-        e2es = sorted(r["e2e_s"] * 1000 for r in per_request if r.get("e2e_s") is not None)
-
-        def p(values: list[float], q: float) -> float | None:
-            if not values:
-                return None
-            index = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
-            return values[index]
-
+        ttft = summarize_ms((r["ttft_s"] for r in per_request if r.get("ttft_s") is not None), (50, 99)).percentiles
+        e2e = summarize_ms((r["e2e_s"] for r in per_request if r.get("e2e_s") is not None), (50,)).percentiles
         return cls(name=name, arrival=arrival, output_tokens=int(done["output_tokens"]),
                    duration_s=float(done["seconds"]), num_requests=len(per_request) or done.get("num_requests", 0),
-                   ttft_p50_ms=p(ttfts, 50), ttft_p99_ms=p(ttfts, 99), e2e_p50_ms=p(e2es, 50),
+                   ttft_p50_ms=ttft["p50"], ttft_p99_ms=ttft["p99"], e2e_p50_ms=e2e["p50"],
                    load_before=load[0] if load else None, load_after=load[1] if load else None)
 
     def to_dict(self) -> dict:
