@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -221,6 +222,19 @@ class LLMEngine:
         request.status = RequestStatus.FINISHED_ABORTED
         request.finish_reason = FinishReason.ABORT
         return self._final_output(request, [], "")
+
+    def step_or_fail_all(self) -> list[RequestOutput]:
+        """``step()`` for a serving loop: a bug in one step fails the requests in flight instead of raising.
+
+        Every request then gets its final output with the error (and a short traceback), so no
+        client hangs, and the engine is empty and ready for new requests.
+        """
+        try:
+            return self.step()
+        except Exception:
+            message = "internal error during generation:\n" + traceback.format_exc(limit=5)
+            logger.error(message)
+            return self.fail_all(message)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Ends every request with an error (unload, or a failed step) and forgets cached prefixes.

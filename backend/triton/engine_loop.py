@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import traceback
 from collections import deque
 from dataclasses import dataclass
 
@@ -108,7 +107,7 @@ class EngineLoop:
                     if output is not None:
                         outputs.append(output)
                 if self.engine.has_unfinished_requests():
-                    outputs.extend(self._step())
+                    outputs.extend(self.engine.step_or_fail_all())
                 stats = self.engine.stats()
                 with self._cond:
                     self._num_waiting = stats.num_waiting
@@ -130,15 +129,6 @@ class EngineLoop:
         except Exception as exc:  # a tokenizer failure must not kill the loop
             logger.exception("adding request %s failed", request.request_id)
             return f"internal error while adding the request: {exc}"
-
-    def _step(self) -> list[RequestOutput]:
-        try:
-            return self.engine.step()
-        except Exception:
-            # A bug in one step must not hang every client: fail the requests in flight, keep serving.
-            message = "internal error during generation:\n" + traceback.format_exc(limit=5)
-            logger.error(message)
-            return self.engine.fail_all(message)
 
     def _fail_everything(self, pending: deque[PendingRequest], outputs: list[RequestOutput]) -> None:
         for request in pending:

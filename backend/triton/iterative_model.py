@@ -27,7 +27,6 @@ import json
 import logging
 import threading
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -145,7 +144,7 @@ class IterativeDriver:
                     self._collect(output, now)
         self._abort_abandoned(present, now)
         if self.engine.has_unfinished_requests():
-            for output in self._step():
+            for output in self.engine.step_or_fail_all():
                 self._collect(output, time.monotonic())
         for correlation_id, (request, sender) in present.items():
             sequence = self.sequences[correlation_id]
@@ -212,14 +211,6 @@ class IterativeDriver:
         self.sequences[correlation_id] = sequence
         self._by_request_id[request_id] = correlation_id
         return sequence
-
-    def _step(self) -> list[RequestOutput]:
-        try:
-            return self.engine.step()
-        except Exception:
-            message = "internal error during generation:\n" + traceback.format_exc(limit=5)
-            logger.error(message)
-            return self.engine.fail_all(message)
 
     def _collect(self, output: RequestOutput, now: float) -> None:
         """Buffers one engine output on its sequence until that sequence is in a batch."""
