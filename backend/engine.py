@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +73,11 @@ class GenerationResult:
     logprobs: list[float] = field(default_factory=list)
 
 
+def internal_error_message(exc: BaseException) -> str:
+    """What a client is told when generation failed on the server's side (the log has the traceback)."""
+    return f"internal error during generation: {type(exc).__name__}: {exc}"
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -128,6 +132,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager)
         self.sampler = Sampler(seed=model_config.seed)
         self.requests: dict[str, Request] = {}
+        self._step_requests: list[Request] | None = None  # scheduled in the running step
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         logger.info(
             "engine ready: device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens",
@@ -192,6 +197,11 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise EngineInputError(f"prompt token ids must be in [0, {vocab})")
+        bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stop_ids:
+            raise EngineInputError(
+                f"stop_token_ids: {bad_stop_ids[0]} is not a token id of this model (ids are in [0, {vocab}))"
+            )
         if len(prompt_token_ids) >= self.max_model_len:
             raise EngineInputError(
                 f"text_input: the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
@@ -224,26 +234,29 @@ class LLMEngine:
         return self._final_output(request, [], "")
 
     def step_or_fail_all(self) -> list[RequestOutput]:
-        """``step()`` for a serving loop: a bug in one step fails the requests in flight instead of raising.
+        """``step()`` for a serving loop: a failing step ends the requests it involved instead of raising.
 
-        Every request then gets its final output with the error (and a short traceback), so no
-        client hangs, and the engine is empty and ready for new requests.
+        A failure ``step()`` can pin on one request (its sampling or its stop checks) already ended
+        only that request inside ``step()``. Anything else (scheduling, the forward pass) cannot be
+        pinned on one request: the requests scheduled in that step get their final output with the
+        error (requests waiting outside the step keep their place), or every request when the step
+        failed before it had scheduled anything. The traceback goes to the log, not to clients.
         """
+        self._step_requests = None
         try:
             return self.step()
-        except Exception:
-            message = "internal error during generation:\n" + traceback.format_exc(limit=5)
-            logger.error(message)
-            return self.fail_all(message)
+        except Exception as exc:
+            logger.exception("engine step failed")
+            message = internal_error_message(exc)
+            if self._step_requests is None:
+                return self.fail_all(message)
+            return self.fail_requests([r.request_id for r in self._step_requests], message)
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """Ends every request with an error (unload, or a failed step) and forgets cached prefixes.
-
-        After a failed forward the KV of blocks hashed this step may never have been written, so
-        the prefix cache cannot be trusted any more.
-        """
+    def fail_requests(self, request_ids: list[str], message: str) -> list[RequestOutput]:
+        """Ends these requests with an error (a step that failed with them in it) and forgets cached
+        prefixes: the KV of blocks hashed in that step may never have been written."""
         outputs = []
-        for request_id in list(self.requests):
+        for request_id in request_ids:
             output = self.abort_request(request_id)
             if output is not None:
                 output.finish_reason = FinishReason.ERROR
@@ -251,6 +264,10 @@ class LLMEngine:
                 outputs.append(output)
         self.kv_cache_manager.reset_prefix_cache()
         return outputs
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Ends every request with an error (unload, or a step that failed before scheduling)."""
+        return self.fail_requests(list(self.requests), message)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -283,29 +300,67 @@ class LLMEngine:
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return outputs
+        self._step_requests = [item.request for item in scheduled]
         logits, rows = self.model_runner.execute(scheduled)
         if not rows:
             return outputs
         sampling_requests = [scheduled[i].request for i in rows]
-        sampled = self.sampler(logits, sampling_requests)
+        token_ids, logprobs, errors = self._sample(logits, sampling_requests)
         now = time.monotonic()
         for index, request in enumerate(sampling_requests):
-            token_id = sampled.token_ids[index]
-            request.append_output_token(token_id)
-            if sampled.logprobs is not None and request.sampling_params.logprobs:
-                request.output_logprobs.append(sampled.logprobs[index])
-            if request.first_token_time is None:
-                request.first_token_time = now
-            detokenizer = self.detokenizers[request.request_id]
-            text = detokenizer.update([token_id])
-            reason = self._stop_reason(request, token_id, detokenizer)
-            if reason is None:
-                outputs.append(self._output(request, [token_id], text))
-                continue
-            status = RequestStatus.FINISHED_LENGTH if reason is FinishReason.LENGTH else RequestStatus.FINISHED_STOPPED
-            self.scheduler.finish_request(request, status, reason)
-            outputs.append(self._final_output(request, [token_id], text))
+            error = errors.get(index)
+            if error is None:
+                try:
+                    outputs.append(self._advance(request, token_ids[index], logprobs, index, now))
+                    continue
+                except Exception as exc:  # detokenizing or stop checks of this request alone
+                    logger.exception("finishing the step of %s failed", request.request_id)
+                    error = internal_error_message(exc)
+            outputs.extend(self.fail_requests([request.request_id], error))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]):
+        """The sampler over all rows; if that fails, row by row, so a bad row fails its request alone.
+
+        logits: [num_rows, vocab_size]. Returns (token ids, logprobs or None, {row: error message}).
+        The fallback keeps seeded outputs: the sampler draws its random numbers last, after every
+        per-row check that can fail.
+        """
+        try:
+            sampled = self.sampler(logits, requests)
+            return sampled.token_ids, sampled.logprobs, {}
+        except Exception:
+            logger.exception("sampling the batch failed; sampling row by row")
+        token_ids: list[int] = [0] * len(requests)
+        logprobs: list[float] | None = [0.0] * len(requests)
+        errors: dict[int, str] = {}
+        for index, request in enumerate(requests):
+            try:
+                row = self.sampler(logits[index : index + 1], [request])
+            except Exception as exc:
+                logger.exception("sampling %s failed", request.request_id)
+                errors[index] = internal_error_message(exc)
+                continue
+            token_ids[index] = row.token_ids[0]
+            logprobs[index] = row.logprobs[0] if row.logprobs is not None else 0.0
+        return token_ids, logprobs, errors
+
+    def _advance(self, request: Request, token_id: int, logprobs: list[float] | None, index: int,
+                 now: float) -> RequestOutput:
+        """Appends one sampled token to a request, detokenizes it and applies the stop checks."""
+        request.append_output_token(token_id)
+        if logprobs is not None and request.sampling_params.logprobs:
+            request.output_logprobs.append(logprobs[index])
+        if request.first_token_time is None:
+            request.first_token_time = now
+        detokenizer = self.detokenizers[request.request_id]
+        text = detokenizer.update([token_id])
+        reason = self._stop_reason(request, token_id, detokenizer)
+        if reason is None:
+            return self._output(request, [token_id], text)
+        status = RequestStatus.FINISHED_LENGTH if reason is FinishReason.LENGTH else RequestStatus.FINISHED_STOPPED
+        self.scheduler.finish_request(request, status, reason)
+        return self._final_output(request, [token_id], text)
 
     def _stop_reason(self, request: Request, token_id: int, detokenizer: IncrementalDetokenizer) -> FinishReason | None:
         params = request.sampling_params

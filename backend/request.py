@@ -37,6 +37,12 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+# Bounds on stop conditions (each stop string is matched against every new piece of text).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_BYTES = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the field."""
 
@@ -88,6 +94,15 @@ class SamplingParams:
             raise SamplingParamsError(f"seed must be in [0, 2**64), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        longest = max((len(s.encode("utf-8")) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_BYTES:
+            raise SamplingParamsError(f"stop: a stop string is {longest} bytes; at most {MAX_STOP_STRING_BYTES}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
+            )
 
     @property
     def greedy(self) -> bool:
