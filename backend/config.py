@@ -18,6 +18,10 @@ class ConfigError(ValueError):
     """A configuration parameter is unknown or has a bad value; the message names it."""
 
 
+# No tokenizer we know packs more than this many UTF-8 bytes into an average token of real text.
+PROMPT_BYTES_PER_TOKEN = 32
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model_dir: str
@@ -27,6 +31,12 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto | torch | cupy
     max_model_len: int = 2048  # prompt + output tokens of one request
     seed: int = 0
+    max_prompt_bytes: int = 0  # UTF-8 bytes of one prompt; 0: PROMPT_BYTES_PER_TOKEN x max_model_len
+
+    @property
+    def prompt_byte_limit(self) -> int:
+        """Longer prompts are refused before tokenizing: they could not fit max_model_len anyway."""
+        return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_model_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,7 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "attention_backend": ("model", "choice", None),
     "max_model_len": ("model", "int", 1),
     "seed": ("model", "int", 0),
+    "max_prompt_bytes": ("model", "int", 0),
     "block_size": ("cache", "int", 1),
     "num_kv_blocks": ("cache", "int", 0),
     "kv_cache_memory_mb": ("cache", "int", 0),

@@ -51,6 +51,10 @@ REQUEST_OPTION_KEYS = ("stream", "exclude_input_in_output")
 
 GetInput = Callable[[str], "np.ndarray | None"]
 
+# Bounds on what one request may send, so a hostile one costs little before it is refused.
+MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024
+MAX_STOP_WORDS_TENSOR = 4096  # elements of the stop_words tensor (empty ones included)
+
 
 def _scalar(get_input: GetInput, name: str):
     array = get_input(name)
@@ -76,6 +80,8 @@ def _decode_utf8(name: str, value) -> str:
 def _as_int(name: str, value) -> int:
     if isinstance(value, bool | np.bool_):
         raise InputError(f"{name}: expected an integer, got a boolean")
+    if isinstance(value, str | bytes | np.bytes_):
+        raise InputError(f"{name}: expected an integer, got a string")
     if isinstance(value, float | np.floating):
         if not math.isfinite(value) or value != int(value):
             raise InputError(f"{name}: expected an integer, got {value}")
@@ -88,6 +94,8 @@ def _as_int(name: str, value) -> int:
 def _as_float(name: str, value) -> float:
     if isinstance(value, bool | np.bool_):
         raise InputError(f"{name}: expected a number, got a boolean")
+    if isinstance(value, str | bytes | np.bytes_):
+        raise InputError(f"{name}: expected a number, got a string")
     try:
         result = float(value)
     except (TypeError, ValueError):
@@ -109,11 +117,33 @@ def parse_request(
     get_input: GetInput,
     default_max_tokens: int,
     max_tokens_limit: int,
+    max_prompt_bytes: int | None = None,
 ) -> ParsedRequest:
-    """Reads the DESIGN.md tensors of one request; raises InputError naming the bad field."""
+    """Reads the DESIGN.md tensors of one request; raises InputError naming the bad field.
+
+    Nothing else escapes: whatever a hostile request holds, the caller gets an InputError or a
+    ParsedRequest (an unexpected failure becomes an InputError naming the request).
+    """
+    try:
+        return _parse_request(get_input, default_max_tokens, max_tokens_limit, max_prompt_bytes)
+    except InputError:
+        raise
+    except RecursionError:
+        raise InputError("sampling_parameters: nested too deeply") from None
+    except Exception as exc:  # a reader bug must not fail the request's batch-mates
+        raise InputError(f"request: could not be read ({type(exc).__name__}: {exc})") from None
+
+
+def _parse_request(get_input: GetInput, default_max_tokens: int, max_tokens_limit: int,
+                   max_prompt_bytes: int | None) -> ParsedRequest:
     raw_prompt = _scalar(get_input, "text_input")
     if raw_prompt is None:
         raise InputError("text_input: required input is missing")
+    if max_prompt_bytes is not None and isinstance(raw_prompt, bytes | np.bytes_) and len(raw_prompt) > max_prompt_bytes:
+        raise InputError(
+            f"text_input: the prompt is {len(raw_prompt)} bytes; the limit is {max_prompt_bytes} "
+            "(parameter max_prompt_bytes)"
+        )
     prompt = _decode_utf8("text_input", raw_prompt)
 
     values: dict[str, object] = {}
@@ -131,7 +161,10 @@ def parse_request(
             values[field_name] = convert(name, value)
     stop_words = get_input("stop_words")
     if stop_words is not None:
-        words = [_decode_utf8("stop_words", w) for w in np.asarray(stop_words).reshape(-1)]
+        flat = np.asarray(stop_words).reshape(-1)
+        if flat.size > MAX_STOP_WORDS_TENSOR:
+            raise InputError(f"stop_words: {flat.size} elements; at most {MAX_STOP_WORDS_TENSOR}")
+        words = [_decode_utf8("stop_words", w) for w in flat]
         values["stop"] = [w for w in words if w]
     options = {"stream": False, "exclude_input_in_output": True}
     for name in REQUEST_OPTION_KEYS:
@@ -160,10 +193,16 @@ def parse_request(
 
 
 def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, object]:
+    if len(text) > MAX_SAMPLING_PARAMETERS_BYTES:
+        raise InputError(
+            f"sampling_parameters: {len(text)} characters; at most {MAX_SAMPLING_PARAMETERS_BYTES}"
+        )
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"sampling_parameters: malformed JSON ({exc.msg} at position {exc.pos})") from None
+    except RecursionError:
+        raise InputError("sampling_parameters: JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise InputError("sampling_parameters: expected a JSON object")
     values: dict[str, object] = {}

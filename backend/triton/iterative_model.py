@@ -23,6 +23,7 @@ own success counters count iterations, so request-level metrics come from here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -80,13 +81,14 @@ class IterativeDriver:
     """The per-execute() logic, with Triton's pb_utils and the engine passed in (unit-testable)."""
 
     def __init__(self, pb, engine, model_name: str, max_queue_len: int, default_max_tokens: int,
-                 max_tokens_limit: int, metrics=None):
+                 max_tokens_limit: int, metrics=None, max_prompt_bytes: int | None = None):
         self.pb = pb
         self.engine = engine
         self.model_name = model_name
         self.max_queue_len = max_queue_len
         self.default_max_tokens = default_max_tokens
         self.max_tokens_limit = max_tokens_limit
+        self.max_prompt_bytes = max_prompt_bytes
         self.metrics = metrics
         self.sequences: dict[object, Sequence] = {}  # correlation id -> sequence
         self._by_request_id: dict[str, object] = {}  # engine request id -> correlation id
@@ -131,7 +133,13 @@ class IterativeDriver:
             sender = request.get_response_sender()
             sequence = self.sequences.get(correlation_id)
             if sequence is None:
-                sequence = self._admit(request, sender, correlation_id, now)
+                try:
+                    sequence = self._admit(request, sender, correlation_id, now)
+                except Exception as exc:  # one request's failure must not fail the batch (see llm_model)
+                    logger.exception("admitting a sequence failed")
+                    with contextlib.suppress(Exception):
+                        send_error(self.pb, sender, f"internal error while reading the request: {exc}")
+                    continue
                 if sequence is None:
                     continue  # refused: error + FINAL sent, not rescheduled
             sequence.last_seen = now
@@ -187,7 +195,7 @@ class IterativeDriver:
             return None if tensor is None else tensor.as_numpy()
 
         try:
-            parsed = parse_request(get_input, self.default_max_tokens, self.max_tokens_limit)
+            parsed = parse_request(get_input, self.default_max_tokens, self.max_tokens_limit, self.max_prompt_bytes)
         except InputError as exc:
             send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
             return None
@@ -327,6 +335,7 @@ class TritonPythonModel:
         self.driver = IterativeDriver(
             pb_utils, LLMEngine(config), model_name, config.scheduler.max_queue_len,
             config.scheduler.default_max_tokens, config.model.max_model_len - 1, self.metrics,
+            config.model.prompt_byte_limit,
         )
         self.watcher = CancelWatcher(self.driver)
         self.watcher.start()

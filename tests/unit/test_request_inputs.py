@@ -76,3 +76,44 @@ def test_bad_inputs_name_their_field(values, field):
     with pytest.raises(InputError) as info:
         parse(**values)
     assert str(info.value).startswith(field), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        # Issue 20: RecursionError used to escape json.loads and fail the whole dynamic batch.
+        ({"sampling_parameters": "[" * 3000 + "]" * 3000}, "sampling_parameters: JSON nested too deeply"),
+        ({"sampling_parameters": '{"a":' * 3000 + "1" + "}" * 3000}, "sampling_parameters: JSON nested too deeply"),
+        ({"sampling_parameters": json.dumps({"stop": "x" * 70000})}, "sampling_parameters: 70012 characters"),
+        ({"sampling_parameters": json.dumps({"stop": [str(i) for i in range(33)]})}, "stop: at most 32 stop strings"),
+        ({"sampling_parameters": json.dumps({"stop": ["y" * 1025]})}, "stop: a stop string is 1025 bytes"),
+        ({"stop_words": ["é" * 600]}, "stop: a stop string is 1200 bytes"),
+        ({"sampling_parameters": json.dumps({"stop_token_ids": list(range(1025))})}, "stop_token_ids: at most 1024"),
+        ({"sampling_parameters": json.dumps({"stop_token_ids": [1, "2"]})}, "sampling_parameters.stop_token_ids"),
+        ({"sampling_parameters": '{"max_tokens": 1e999}'}, "sampling_parameters.max_tokens"),
+        ({"sampling_parameters": '{"temperature": NaN}'}, "sampling_parameters.temperature"),
+    ],
+)
+def test_hostile_values_get_an_input_error_naming_the_field(values, message):
+    with pytest.raises(InputError) as info:
+        parse(text_input="x", **values)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_prompt_bytes_are_capped_before_decoding():
+    get = tensors(text_input="ab" * 600)
+    assert parse_request(get, 32, 1000, max_prompt_bytes=1200).prompt == "ab" * 600
+    with pytest.raises(InputError, match=r"^text_input: the prompt is 1202 bytes; the limit is 1200"):
+        parse_request(tensors(text_input="ab" * 601), 32, 1000, max_prompt_bytes=1200)
+
+
+def test_a_reader_bug_becomes_an_input_error_not_an_exception():
+    def get_input(name):
+        if name == "text_input":
+            return np.array([[b"x"]], dtype=np.object_)
+        if name == "max_tokens":
+            raise MemoryError("cannot map the tensor")  # what a broken tensor could raise
+        return None
+
+    with pytest.raises(InputError, match=r"^request: could not be read \(MemoryError: cannot map the tensor\)"):
+        parse_request(get_input, 32, 1000)
