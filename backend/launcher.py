@@ -36,6 +36,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
 
+# SIGTERM lets the `llm` model drain (its shutdown_grace_seconds, 20 s by default, within
+# tritonserver's own 30 s exit timeout); the process group is killed only after this.
+STOP_TIMEOUT_SECONDS = 40.0
+
+
 class LauncherError(RuntimeError):
     """tritonserver could not be found, laid out or brought to readiness."""
 
@@ -204,7 +209,7 @@ class TritonServer:
             return ""
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
-    def stop(self, timeout: float = 20.0) -> int | None:
+    def stop(self, timeout: float = STOP_TIMEOUT_SECONDS) -> int | None:
         """SIGTERM, then SIGKILL to the whole process group after ``timeout`` seconds."""
         if self._stopped:
             return self.process.returncode

@@ -3,6 +3,10 @@
 Everything that touches the engine (tokenizing, adding, aborting, stepping) happens on this one
 thread, so the engine needs no locks. Results go to ``outbox`` as ``(outputs, stats)`` pairs for
 the response thread; ``None`` in the outbox means the loop has stopped. No Triton import here.
+
+Draining (the server is shutting down or the model is being unloaded): new requests are refused
+with a BusyError, requests in flight go on until they finish or the grace period ends, and then
+the rest end with an error that names the shutdown.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from backend.engine import EngineInputError, LLMEngine, RequestOutput
@@ -50,23 +56,46 @@ class EngineLoop:
         self._num_waiting = 0  # engine's waiting count, read without the engine
         self._stopping = False
         self._shutdown_message = "the model is being unloaded"
+        self._drain_deadline: float | None = None  # monotonic; set once draining starts
+        self._drain_grace = 0.0
         self._thread = threading.Thread(target=self._run, name="llm-engine-loop", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: PendingRequest) -> None:
-        """Queues a request for the engine; raises BusyError beyond max_queue_len waiting."""
+    def submit(self, request: PendingRequest, on_accept: Callable[[], None] | None = None) -> None:
+        """Queues a request for the engine; raises BusyError beyond max_queue_len waiting or while
+        draining. ``on_accept`` runs under the loop's lock before the request is queued, so whoever
+        answers the request (the responder) knows it before the engine can produce anything for it.
+        """
         with self._cond:
             if self._stopping:
                 raise BusyError(self._shutdown_message)
+            if self._drain_deadline is not None:
+                raise BusyError("shutting down (server stop or model unload): not accepting new requests")
             waiting = len(self._pending) + self._num_waiting
             if waiting >= self.max_queue_len:
                 raise BusyError(
                     f"server busy: {waiting} requests are waiting (max_queue_len={self.max_queue_len}); retry later"
                 )
+            if on_accept is not None:
+                on_accept()
             self._pending.append(request)
             self._cond.notify()
+
+    def begin_drain(self, grace_seconds: float) -> None:
+        """Refuses new requests from now on; requests still running after ``grace_seconds`` end with
+        an error naming the shutdown. Idempotent (the first call sets the deadline)."""
+        with self._cond:
+            if self._drain_deadline is None:
+                self._drain_grace = grace_seconds
+                self._drain_deadline = time.monotonic() + grace_seconds
+                logger.warning("draining: requests in flight get up to %g s to finish", grace_seconds)
+            self._cond.notify()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
 
     def abort(self, request_id: str) -> None:
         with self._cond:
@@ -93,11 +122,18 @@ class EngineLoop:
                     pending, self._pending = self._pending, deque()
                     aborts, self._aborts = self._aborts, deque()
                     stopping = self._stopping
+                    deadline = self._drain_deadline
                 outputs: list[RequestOutput] = []
                 if stopping:
                     self._fail_everything(pending, outputs)
                     self.outbox.put((outputs, self.engine.stats()))
                     return
+                if deadline is not None and time.monotonic() >= deadline:
+                    message = (f"shutting down (server stop or model unload): the request was ended after "
+                               f"the {self._drain_grace:g} s grace period (parameter shutdown_grace_seconds)")
+                    outputs.extend(error_output(r.request_id, message, r.arrival_time) for r in pending)
+                    pending = deque()
+                    outputs.extend(self.engine.fail_all(message))
                 for request in pending:
                     error = self._add(request)
                     if error is not None:

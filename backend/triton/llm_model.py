@@ -18,7 +18,22 @@ from backend.config import ConfigError, parse_engine_config
 logger = logging.getLogger(__name__)
 
 # Parameters of config.pbtxt that belong to this glue, not to the engine.
-GLUE_PARAMETERS = frozenset()
+GLUE_PARAMETERS = frozenset({"shutdown_grace_seconds", "triton_http_url"})
+# Below Triton's default --exit-timeout-secs (30 s), which ends the server whatever is in flight.
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 20.0
+
+
+def shutdown_grace_seconds(parameters: dict[str, str]) -> float:
+    raw = parameters.get("shutdown_grace_seconds", "")
+    if not raw.strip():
+        return DEFAULT_SHUTDOWN_GRACE_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"parameter 'shutdown_grace_seconds': expected a number of seconds, got {raw!r}") from None
+    if not (value >= 0 and value < float("inf")):
+        raise ConfigError(f"parameter 'shutdown_grace_seconds': must be a finite number >= 0, got {raw!r}")
+    return value
 
 
 def set_utf8_locale() -> None:
@@ -53,9 +68,9 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise ConfigError(f"model '{self.model_name}': model_transaction_policy {{ decoupled: true }} is required")
         # args["model_repository"] is this model's folder: relative paths resolve against it.
-        self.config = parse_engine_config(
-            model_parameters(model_config), base_dir=args["model_repository"], extra_names=GLUE_PARAMETERS
-        )
+        parameters = model_parameters(model_config)
+        self.config = parse_engine_config(parameters, base_dir=args["model_repository"], extra_names=GLUE_PARAMETERS)
+        grace = shutdown_grace_seconds(parameters)
         self.engine = LLMEngine(self.config)
         self.metrics = TritonMetrics(pb_utils, self.model_name)
         self.loop = EngineLoop(self.engine, self.config.scheduler.max_queue_len)
@@ -63,39 +78,76 @@ class TritonPythonModel:
         self._ids = itertools.count()
         self.loop.start()
         self.responder.start()
+        self.unload_watcher = self._start_unload_watcher(parameters, str(args.get("model_version", "")), grace)
+
+    def _start_unload_watcher(self, parameters: dict[str, str], version: str, grace: float):
+        """Drains on server stop or unload (backend/triton/drain.py); None when Triton's HTTP is off."""
+        from backend.triton import drain  # noqa: PLC0415
+
+        url = parameters.get("triton_http_url", "").strip() or drain.http_url_from_command_line(
+            drain.parent_command_line())
+        if not url or url == "none":
+            logger.warning("no Triton HTTP endpoint to watch: requests in flight at shutdown are not drained")
+            return None
+        watcher = drain.UnloadWatcher(drain.http_readiness_probe(url, self.model_name, version),
+                                      lambda: self.loop.begin_drain(grace))
+        watcher.start()
+        return watcher
 
     def execute(self, requests):
+        """Parses and queues each request; returns None at once. Never raises.
+
+        An exception escaping execute() makes the Python backend answer every request of the batch
+        with it and release them, while the responder still holds the ones already queued (a
+        SIGSEGV in is_cancelled, measured): so each request's failure stays its own. Until a request
+        is handed to the responder (atomically with queueing it) only this thread answers it; after
+        that only the responder does.
+        """
+        for request in requests:
+            sender = None
+            try:
+                sender = request.get_response_sender()
+                self._admit(request, sender)
+            except Exception as exc:
+                logger.exception("reading a request failed")
+                if sender is not None:
+                    self._try_send_error(sender, f"internal error while reading the request: {type(exc).__name__}: {exc}",
+                                         self.pb.TritonError.INTERNAL)
+        return None
+
+    def _admit(self, request, sender) -> None:
         from backend.triton.engine_loop import BusyError, PendingRequest  # noqa: PLC0415
         from backend.triton.inputs import InputError, parse_request  # noqa: PLC0415
         from backend.triton.responder import ActiveRequest  # noqa: PLC0415
 
         pb = self.pb
-        scheduler = self.config.scheduler
-        max_tokens_limit = self.config.model.max_model_len - 1
-        for request in requests:
-            arrival_time = time.monotonic()
-            sender = request.get_response_sender()
-            request_id = f"{self.model_name}-{next(self._ids)}"
+        arrival_time = time.monotonic()
+        request_id = f"{self.model_name}-{next(self._ids)}"
 
-            def get_input(name, _request=request):
-                tensor = pb.get_input_tensor_by_name(_request, name)
-                return None if tensor is None else tensor.as_numpy()
+        def get_input(name):
+            tensor = pb.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
 
-            try:
-                parsed = parse_request(get_input, scheduler.default_max_tokens, max_tokens_limit)
-            except InputError as exc:
-                self._send_error(sender, str(exc), pb.TritonError.INVALID_ARG)
-                continue
-            active = ActiveRequest(
-                request_id, sender, parsed.stream, parsed.exclude_input_in_output, parsed.prompt, arrival_time
-            )
-            self.responder.register(active)
-            try:
-                self.loop.submit(PendingRequest(request_id, parsed.prompt, parsed.sampling_params, arrival_time))
-            except BusyError as exc:
-                self.responder.unregister(request_id)
-                self._send_error(sender, str(exc), pb.TritonError.UNAVAILABLE)
-        return None
+        try:
+            parsed = parse_request(get_input, self.config.scheduler.default_max_tokens,
+                                   self.config.model.max_model_len - 1, self.config.model.prompt_byte_limit)
+        except InputError as exc:
+            self._send_error(sender, str(exc), pb.TritonError.INVALID_ARG)
+            return
+        active = ActiveRequest(
+            request_id, sender, parsed.stream, parsed.exclude_input_in_output, parsed.prompt, arrival_time
+        )
+        pending = PendingRequest(request_id, parsed.prompt, parsed.sampling_params, arrival_time)
+        try:
+            self.loop.submit(pending, on_accept=lambda: self.responder.register(active))
+        except BusyError as exc:
+            self._send_error(sender, str(exc), pb.TritonError.UNAVAILABLE)
+
+    def _try_send_error(self, sender, message: str, code) -> None:
+        try:
+            self._send_error(sender, message, code)
+        except Exception:
+            logger.exception("sending an error response failed")
 
     def _send_error(self, sender, message: str, code) -> None:
         pb = self.pb
@@ -107,6 +159,9 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         """Stops the threads: requests in flight get an error response and their FINAL flag."""
+        watcher = getattr(self, "unload_watcher", None)
+        if watcher is not None:
+            watcher.stop()
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop(timeout=30.0)

@@ -20,8 +20,12 @@ MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
 
 def write_model_repository(dest: Path, demo_model_dir: Path, overrides: dict[str, str] | None = None,
-                           models: tuple[str, ...] = ("llm",)) -> Path:
-    """Copies the named models into ``dest`` with absolute model paths and overridden parameters."""
+                           models: tuple[str, ...] = ("llm",), edits: dict[str, str] | None = None) -> Path:
+    """Copies the named models into ``dest`` with absolute model paths and overridden parameters.
+
+    ``edits`` replaces text of each config.pbtxt (old -> new), e.g. the dynamic batcher's delay;
+    every old text must be present.
+    """
     dest.mkdir(parents=True, exist_ok=True)
     for name in models:
         shutil.copytree(MODEL_REPOSITORY / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -34,6 +38,9 @@ def write_model_repository(dest: Path, demo_model_dir: Path, overrides: dict[str
                 text = pattern.sub(lambda m, v=value: m.group(1) + v + m.group(2), text)
             else:
                 text = text.replace("parameters [\n", f'parameters [\n  {{ key: "{key}" value: {{ string_value: "{value}" }} }},\n', 1)
+        for old, new in (edits or {}).items():
+            assert old in text, f"{old!r} not in {config_path}"
+            text = text.replace(old, new)
         config_path.write_text(text)
     return dest
 
@@ -53,8 +60,8 @@ def make_server(tmp_path, demo_model_dir):
     servers = []
 
     def make(overrides: dict[str, str] | None = None, extra_args: list[str] | None = None,
-             models: tuple[str, ...] = ("llm",), wait: bool = True):
-        repo = write_model_repository(tmp_path / f"repo{len(servers)}", demo_model_dir, overrides, models)
+             models: tuple[str, ...] = ("llm",), wait: bool = True, edits: dict[str, str] | None = None):
+        repo = write_model_repository(tmp_path / f"repo{len(servers)}", demo_model_dir, overrides, models, edits)
         server = start_server(repo, extra_args=extra_args, wait=wait, ready_timeout=300)
         servers.append(server)
         return server
