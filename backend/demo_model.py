@@ -6,6 +6,11 @@ deterministically: the same inputs give byte-identical files. The tokenizer is t
 initialisation scaled so that logits are peaked (random weights otherwise give near-ties that make
 greedy decoding flip on rounding noise).
 
+It also writes ``models/demo-repository``: the served model repository (``llm``,
+``llm_iterative``, ``tokenizer``) with only the model parameters changed to the demo model, so fast
+tests and quick benchmarks run the very configuration users get, on the tiny model. It is rewritten
+from ``model_repository`` on every run (a copy, byte-identical for the same inputs).
+
 Usage: ``python -m backend.demo_model [--out models/demo-llama] [--force]``
 """
 
@@ -26,6 +31,12 @@ DEFAULT_OUT = REPO_ROOT / "models" / "demo-llama"
 CORPUS = REPO_ROOT / "data" / "demo_corpus.txt"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
 BUILD_INFO = "build_info.json"
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+DEMO_REPOSITORY = REPO_ROOT / "models" / "demo-repository"
+DEMO_REPOSITORY_MODELS = ("llm", "llm_iterative", "tokenizer")
+# Parameters of the served configs that the demo repository changes (paths relative to a model's
+# folder, as in model_repository). The demo model's context is 4096; 2048 keeps tests quick.
+DEMO_PARAMETERS = {"model_dir": "../../demo-llama", "tokenizer_dir": "../../demo-llama", "max_model_len": "2048"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,12 +154,45 @@ def build(out: Path = DEFAULT_OUT, spec: DemoModelSpec = DemoModelSpec(), force:
     return out
 
 
+def set_parameters(config_text: str, values: dict[str, str], insert_missing: bool = False) -> str:
+    """config.pbtxt text with these ``parameters`` entries' string values replaced.
+
+    A name the config does not have is inserted when ``insert_missing``, else left out (so the
+    tokenizer model, which has no model_dir, is not given one).
+    """
+    import re  # noqa: PLC0415
+
+    for key, value in values.items():
+        pattern = re.compile(r'(\{ key: "' + re.escape(key) + r'" value: \{ string_value: ")[^"]*("\s*\} \})')
+        if pattern.search(config_text):
+            config_text = pattern.sub(lambda m, v=value: m.group(1) + v + m.group(2), config_text)
+        elif insert_missing:
+            config_text = config_text.replace(
+                "parameters [\n", f'parameters [\n  {{ key: "{key}" value: {{ string_value: "{value}" }} }},\n', 1)
+    return config_text
+
+
+def write_demo_repository(dest: Path = DEMO_REPOSITORY, source: Path = MODEL_REPOSITORY,
+                          parameters: dict[str, str] = DEMO_PARAMETERS) -> Path:
+    """Copies the served models of ``source`` into ``dest`` with the demo model's parameters."""
+    dest = Path(dest)
+    for name in DEMO_REPOSITORY_MODELS:
+        target = dest / name
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(source / name, target, ignore=shutil.ignore_patterns("__pycache__"))
+        config = target / "config.pbtxt"
+        config.write_text(set_parameters(config.read_text(), parameters))
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.demo_model", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
     args = parser.parse_args(argv)
     build(args.out, force=args.force)
+    write_demo_repository()
     return 0
 
 

@@ -1,4 +1,8 @@
-"""Shared fixtures: the demo model (built once, deterministically) and the repository root."""
+"""Shared fixtures: the demo model (built once, deterministically) and the repository root.
+
+Fast tests run the served configuration on the tiny demo model: ``DEMO_REPOSITORY`` is
+model_repository with only the model parameters changed (backend/demo_model.py writes it).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from backend.demo_model import DEMO_REPOSITORY  # noqa: F401  (re-exported for the tests)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
-    from backend.demo_model import DEFAULT_OUT, build
+    from backend.demo_model import DEFAULT_OUT, build, write_demo_repository
 
-    return build(DEFAULT_OUT)
+    folder = build(DEFAULT_OUT)
+    write_demo_repository()  # from this checkout's model_repository, so config edits are tested at once
+    return folder

@@ -1,22 +1,23 @@
 """Real tritonserver fixtures: started by our launcher on free ports, always stopped.
 
-``triton_server`` serves the repository's own model_repository for the whole session.
-``make_model_repository`` writes a copy of model_repository/llm with changed parameters, for
-tests that need a tiny KV pool, a short queue and so on.
+``triton_server`` serves the served configuration on the demo model (models/demo-repository, i.e.
+model_repository with only the model parameters changed) for the whole session. ``make_server``
+starts a server on a copy of it with changed parameters, for tests that need a tiny KV pool, a
+short queue and so on.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from backend.demo_model import DEMO_REPOSITORY, set_parameters
 from backend.launcher import start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
-MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+MODEL_REPOSITORY = DEMO_REPOSITORY  # what the session's server serves
 
 
 def write_model_repository(dest: Path, demo_model_dir: Path, overrides: dict[str, str] | None = None,
@@ -30,14 +31,9 @@ def write_model_repository(dest: Path, demo_model_dir: Path, overrides: dict[str
     for name in models:
         shutil.copytree(MODEL_REPOSITORY / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
         config_path = dest / name / "config.pbtxt"
-        text = config_path.read_text()
-        values = {"model_dir": str(demo_model_dir), "tokenizer_dir": str(demo_model_dir), **(overrides or {})}
-        for key, value in values.items():
-            pattern = re.compile(r'(\{ key: "' + re.escape(key) + r'" value: \{ string_value: ")[^"]*("\s*\} \})')
-            if pattern.search(text):
-                text = pattern.sub(lambda m, v=value: m.group(1) + v + m.group(2), text)
-            else:
-                text = text.replace("parameters [\n", f'parameters [\n  {{ key: "{key}" value: {{ string_value: "{value}" }} }},\n', 1)
+        text = set_parameters(config_path.read_text(),
+                              {"model_dir": str(demo_model_dir), "tokenizer_dir": str(demo_model_dir)})
+        text = set_parameters(text, overrides or {}, insert_missing=True)
         for old, new in (edits or {}).items():
             assert old in text, f"{old!r} not in {config_path}"
             text = text.replace(old, new)

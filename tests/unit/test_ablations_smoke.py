@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 from perf import ablations
+from tests.conftest import DEMO_REPOSITORY
 
-MODEL_FOLDER = Path(__file__).resolve().parents[2] / "model_repository" / "llm"
-
-pytestmark = pytest.mark.skipif(
-    not (MODEL_FOLDER.parent.parent / "models" / "demo-llama" / "config.json").exists(),
-    reason="demo model not built (make demo-model)",
-)
+MODEL_FOLDER = DEMO_REPOSITORY / "llm"
 
 
 def test_percentile():
@@ -29,9 +24,9 @@ def test_percentile():
 
 
 @pytest.fixture(scope="module")
-def smoke_record(tmp_path_factory):
+def smoke_record(tmp_path_factory, demo_model_dir):
     out = tmp_path_factory.mktemp("ablations") / "smoke.json"
-    assert ablations.main(["--smoke", "--out-json", str(out)]) == 0
+    assert ablations.main(["--smoke", "--model-folder", str(MODEL_FOLDER), "--out-json", str(out)]) == 0
     return json.loads(out.read_text())
 
 

@@ -14,7 +14,7 @@ from client.bench.stats import RequestRecord, compute_metrics
 from perf.compare.cpu_meter import CpuMeter
 from perf.compare.report import SystemResult, markdown_report
 from perf.compare.repository import repository_with_overrides
-from tests.conftest import REPO_ROOT
+from tests.conftest import DEMO_REPOSITORY, REPO_ROOT
 
 
 def _max_in_flight(records: list[RequestRecord]) -> int:
@@ -35,7 +35,7 @@ def small_requests(demo_model_dir):
 def test_engine_in_process_closed_loop_keeps_the_concurrency_and_counts_every_token(small_requests):
     from perf.compare.engine_in_process import run_engine_in_process
 
-    records, duration, summary = run_engine_in_process(str(REPO_ROOT / "model_repository" / "llm"), small_requests,
+    records, duration, summary = run_engine_in_process(str(DEMO_REPOSITORY / "llm"), small_requests,
                                                        ArrivalPattern("concurrency", 2), progress_interval_s=0)
     assert len(records) == len(small_requests) and duration > 0 and summary["steps"] > 0
     for record, (prompt, max_tokens) in zip(records, small_requests, strict=True):
@@ -53,7 +53,7 @@ def test_engine_in_process_open_loop_waits_for_each_arrival(small_requests):
     from perf.compare.engine_in_process import run_engine_in_process
 
     pattern = ArrivalPattern("burst", 2, burst_interval_s=0.3)  # requests 0-1 at 0 s, 2-3 at 0.3 s, 4 at 0.6 s
-    records, _, _ = run_engine_in_process(str(REPO_ROOT / "model_repository" / "llm"), small_requests, pattern,
+    records, _, _ = run_engine_in_process(str(DEMO_REPOSITORY / "llm"), small_requests, pattern,
                                           progress_interval_s=0)
     first = min(r.start_time for r in records)
     offsets = [r.start_time - first for r in records]

@@ -13,7 +13,7 @@ from backend.engine import LLMEngine
 from backend.request import SamplingParams
 from backend.triton.drain import UnloadWatcher, http_readiness_probe, http_url_from_command_line
 from backend.triton.engine_loop import BusyError, EngineLoop, PendingRequest
-from tests.conftest import REPO_ROOT
+from tests.conftest import DEMO_REPOSITORY
 
 
 def run_watcher(answers):
@@ -98,7 +98,7 @@ def test_the_http_probe_reads_readiness_and_treats_a_vanished_endpoint_as_not_re
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir):
-    return LLMEngine(engine_config_from_model_folder(str(REPO_ROOT / "model_repository" / "llm")))
+    return LLMEngine(engine_config_from_model_folder(str(DEMO_REPOSITORY / "llm")))
 
 
 def collect_finals(loop: EngineLoop, request_ids: set[str], timeout: float = 60.0):

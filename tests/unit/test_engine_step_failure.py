@@ -5,11 +5,11 @@ from __future__ import annotations
 from backend.config import engine_config_from_model_folder
 from backend.engine import LLMEngine
 from backend.request import FinishReason, SamplingParams
-from tests.conftest import REPO_ROOT
+from tests.conftest import DEMO_REPOSITORY
 
 
 def test_step_or_fail_all_ends_every_request_with_the_error_and_keeps_serving(demo_model_dir):
-    engine = LLMEngine(engine_config_from_model_folder(str(REPO_ROOT / "model_repository" / "llm")))
+    engine = LLMEngine(engine_config_from_model_folder(str(DEMO_REPOSITORY / "llm")))
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     for index in range(3):
         engine.add_request(f"r{index}", prompt_token_ids=[1, 10 + index, 20, 30], sampling_params=params)
@@ -32,7 +32,7 @@ def test_step_or_fail_all_ends_every_request_with_the_error_and_keeps_serving(de
 
 
 def _engine(**overrides: str) -> LLMEngine:
-    return LLMEngine(engine_config_from_model_folder(str(REPO_ROOT / "model_repository" / "llm"), **overrides))
+    return LLMEngine(engine_config_from_model_folder(str(DEMO_REPOSITORY / "llm"), **overrides))
 
 
 def test_out_of_vocabulary_stop_token_ids_are_refused_at_the_door(demo_model_dir):

@@ -3,7 +3,11 @@
 import os
 import sys
 
-# The repository root holds the `backend` package (also when the venv has no editable install).
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
+# The `backend` package lives in a folder above this one (also when the venv has no editable install;
+# copies of this repository elsewhere, e.g. models/demo-repository, find it the same way).
+_here = os.path.dirname(os.path.abspath(__file__))
+while _here != os.path.dirname(_here) and not os.path.isfile(os.path.join(_here, "backend", "__init__.py")):
+    _here = os.path.dirname(_here)
+sys.path.insert(0, _here)
 
 from backend.triton.llm_model import TritonPythonModel  # noqa: E402,F401
