@@ -19,7 +19,7 @@ from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.kv_cache.manager import KVCacheManager
 from backend.request import FinishReason, Request, RequestStatus, SamplingParams
-from backend.sampler import Sampler
+from backend.sampler import Sampler, SamplerOutput
 from backend.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,9 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # of new_token_ids, when the request asked for logprobs
+    logprob_ranks: list[int] | None = None  # of new_token_ids (1 = the most likely token)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (token id, logprob) x top_logprobs
     prompt_token_ids: list[int] | None = None  # a reference, not a copy: do not modify
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
@@ -169,8 +171,22 @@ class LLMEngine:
         return int(num_blocks)
 
     # ----------------------------------------------------------------------------- requests
-    def tokenize(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt of a chat: the checkpoint's chat template with the generation prompt added.
+
+        Tokenize it with ``add_special_tokens=False`` (templates write their own BOS), as
+        transformers' ``apply_chat_template(tokenize=True)`` and vLLM's chat endpoint do.
+        Raises EngineInputError naming ``messages``.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise EngineInputError("messages: this model has no chat template; send text_input instead")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template may raise on role orders it does not support
+            raise EngineInputError(f"messages: the chat template refused them ({type(exc).__name__}: {exc})") from None
 
     def add_request(
         self,
@@ -179,8 +195,12 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        add_special_tokens: bool = True,
     ) -> Request:
-        """Queues a request; raises EngineInputError naming the field when it can never run."""
+        """Queues a request; raises EngineInputError naming the field when it can never run.
+
+        ``add_special_tokens`` is how the prompt text is tokenized (False for a rendered chat).
+        """
         if request_id in self.requests:
             raise EngineInputError(f"request id {request_id!r} is already in use")
         params = sampling_params or SamplingParams(max_tokens=self.config.scheduler.default_max_tokens)
@@ -191,7 +211,7 @@ class LLMEngine:
         if prompt_token_ids is None:
             if prompt is None:
                 raise EngineInputError("text_input: a prompt is required")
-            prompt_token_ids = self.tokenize(prompt)
+            prompt_token_ids = self.tokenize(prompt, add_special_tokens)
         if not prompt_token_ids:
             raise EngineInputError("text_input: the prompt is empty and the tokenizer adds no BOS token")
         vocab = self.hf_config.vocab_size
@@ -218,7 +238,8 @@ class LLMEngine:
         )
         self.requests[request_id] = request
         self.detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, stop=list(params.stop)
+            self.tokenizer, request.prompt_token_ids, stop=list(params.stop),
+            skip_special_tokens=params.skip_special_tokens,
         )
         self.scheduler.add_request(request)
         return request
@@ -305,13 +326,13 @@ class LLMEngine:
         if not rows:
             return outputs
         sampling_requests = [scheduled[i].request for i in rows]
-        token_ids, logprobs, errors = self._sample(logits, sampling_requests)
+        sampled, errors = self._sample(logits, sampling_requests)
         now = time.monotonic()
         for index, request in enumerate(sampling_requests):
             error = errors.get(index)
             if error is None:
                 try:
-                    outputs.append(self._advance(request, token_ids[index], logprobs, index, now))
+                    outputs.append(self._advance(request, sampled, index, now))
                     continue
                 except Exception as exc:  # detokenizing or stop checks of this request alone
                     logger.exception("finishing the step of %s failed", request.request_id)
@@ -319,20 +340,19 @@ class LLMEngine:
             outputs.extend(self.fail_requests([request.request_id], error))
         return outputs
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]):
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[SamplerOutput, dict[int, str]]:
         """The sampler over all rows; if that fails, row by row, so a bad row fails its request alone.
 
-        logits: [num_rows, vocab_size]. Returns (token ids, logprobs or None, {row: error message}).
-        The fallback keeps seeded outputs: the sampler draws its random numbers last, after every
+        logits: [num_rows, vocab_size]. Returns the sampled rows and {row: error message}. The
+        fallback keeps seeded outputs: the sampler draws its random numbers last, after every
         per-row check that can fail.
         """
         try:
-            sampled = self.sampler(logits, requests)
-            return sampled.token_ids, sampled.logprobs, {}
+            return self.sampler(logits, requests), {}
         except Exception:
             logger.exception("sampling the batch failed; sampling row by row")
-        token_ids: list[int] = [0] * len(requests)
-        logprobs: list[float] | None = [0.0] * len(requests)
+        merged = SamplerOutput(token_ids=[0] * len(requests), logprobs=[0.0] * len(requests),
+                               ranks=[0] * len(requests), top_logprobs=[[] for _ in requests])
         errors: dict[int, str] = {}
         for index, request in enumerate(requests):
             try:
@@ -341,16 +361,22 @@ class LLMEngine:
                 logger.exception("sampling %s failed", request.request_id)
                 errors[index] = internal_error_message(exc)
                 continue
-            token_ids[index] = row.token_ids[0]
-            logprobs[index] = row.logprobs[0] if row.logprobs is not None else 0.0
-        return token_ids, logprobs, errors
+            merged.token_ids[index] = row.token_ids[0]
+            if row.logprobs is not None:
+                merged.logprobs[index] = row.logprobs[0]
+                merged.ranks[index] = row.ranks[0]
+                if row.top_logprobs is not None:
+                    merged.top_logprobs[index] = row.top_logprobs[0]
+        return merged, errors
 
-    def _advance(self, request: Request, token_id: int, logprobs: list[float] | None, index: int,
-                 now: float) -> RequestOutput:
+    def _advance(self, request: Request, sampled: SamplerOutput, index: int, now: float) -> RequestOutput:
         """Appends one sampled token to a request, detokenizes it and applies the stop checks."""
+        token_id = sampled.token_ids[index]
         request.append_output_token(token_id)
-        if logprobs is not None and request.sampling_params.logprobs:
-            request.output_logprobs.append(logprobs[index])
+        if sampled.logprobs is not None and request.sampling_params.logprobs:
+            request.output_logprobs.append(sampled.logprobs[index])
+            request.output_logprob_ranks.append(sampled.ranks[index])
+            request.output_top_logprobs.append(sampled.top_logprobs[index] if sampled.top_logprobs else [])
         if request.first_token_time is None:
             request.first_token_time = now
         detokenizer = self.detokenizers[request.request_id]
@@ -376,9 +402,11 @@ class LLMEngine:
         return None
 
     def _output(self, request: Request, new_token_ids: list[int], text: str) -> RequestOutput:
-        logprobs = None
+        logprobs = ranks = top = None
         if request.sampling_params.logprobs and new_token_ids:
             logprobs = request.output_logprobs[-len(new_token_ids):]
+            ranks = request.output_logprob_ranks[-len(new_token_ids):]
+            top = request.output_top_logprobs[-len(new_token_ids):]
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -389,6 +417,8 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             logprobs=logprobs,
+            logprob_ranks=ranks,
+            top_logprobs=top,
             prompt_token_ids=request.prompt_token_ids,
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,

@@ -41,6 +41,7 @@ class FinishReason(enum.StrEnum):
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_BYTES = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
 
 
 class SamplingParamsError(ValueError):
@@ -64,7 +65,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False  # return the log-probability of each chosen token
+    logprobs: bool = False  # return the log-probability (and rank) of each chosen token
+    top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each step (vLLM's logprobs=k)
+    skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's default)
 
     def validate(self) -> None:
         """Raises SamplingParamsError naming the first bad field."""
@@ -92,6 +95,8 @@ class SamplingParams:
                 raise SamplingParamsError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise SamplingParamsError(f"seed must be in [0, 2**64), got {self.seed}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError(f"logprobs: at most {MAX_TOP_LOGPROBS} top logprobs, got {self.top_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop must be a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -129,6 +134,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     output_logprobs: list[float] = field(default_factory=list)
+    output_logprob_ranks: list[int] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

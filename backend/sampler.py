@@ -26,7 +26,9 @@ sampler's engine generator.
 Logprobs (``SamplerOutput.logprobs``) are those of the chosen token under the *final processed*
 distribution: the log-softmax of the logits after steps 1-4 (masked tokens removed and the rest
 renormalised, temperature applied). For greedy rows that is the log-softmax of the penalised
-logits at temperature 1.
+logits at temperature 1. With them come the chosen token's rank in that distribution (1 = most
+likely; ties rank together) and, for requests with ``top_logprobs = k > 0``, its k most likely
+tokens with their logprobs (vLLM's ``logprobs=k``).
 
 For the engine: pass only rows whose sampled token will be kept (not partial prompt chunks),
 since every call advances a seeded request's generator; ``min_tokens`` compares against
@@ -55,6 +57,8 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[float] | None
+    ranks: list[int] | None = None  # with logprobs: the chosen token's rank (1 = most likely)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # with logprobs: k (token id, logprob) per row
 
 
 def _has_penalties(sp: SamplingParams) -> bool:
@@ -123,10 +127,12 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=None)
 
         want_logprobs = False
+        max_top = 0  # the most top logprobs any row wants
         plain_greedy = True  # greedy, no penalties, no active min_tokens mask
         for r in requests:
             sp = r.sampling_params
             want_logprobs |= sp.logprobs
+            max_top = max(max_top, sp.top_logprobs if sp.logprobs else 0)
             if plain_greedy and (
                 sp.temperature != 0.0 or _has_penalties(sp) or r.num_output_tokens < sp.min_tokens
             ):
@@ -146,6 +152,9 @@ class Sampler:
         device = logits.device
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
         chosen_logprobs = torch.empty(num_rows, dtype=torch.float32, device=device) if want_logprobs else None
+        ranks = torch.empty(num_rows, dtype=torch.long, device=device) if want_logprobs else None
+        top_values = torch.empty(num_rows, max_top, dtype=torch.float32, device=device)
+        top_ids = torch.empty(num_rows, max_top, dtype=torch.long, device=device)
 
         if greedy_rows:
             if len(greedy_rows) == num_rows:
@@ -157,8 +166,7 @@ class Sampler:
             g_tokens = g_logits.argmax(dim=-1)  # [num_greedy]
             self._scatter(token_ids, g_idx, g_tokens)
             if chosen_logprobs is not None:
-                lp = _chosen_logprobs(g_logits, g_tokens)
-                self._scatter(chosen_logprobs, g_idx, lp)
+                self._logprob_details(g_logits, g_tokens, g_idx, max_top, chosen_logprobs, ranks, top_values, top_ids)
 
         if random_rows:
             if len(random_rows) == num_rows:
@@ -174,13 +182,46 @@ class Sampler:
             r_tokens = probs.div_(q).argmax(dim=-1)  # [num_random]
             self._scatter(token_ids, r_idx, r_tokens)
             if chosen_logprobs is not None:
-                lp = _chosen_logprobs(r_logits, r_tokens)
-                self._scatter(chosen_logprobs, r_idx, lp)
+                self._logprob_details(r_logits, r_tokens, r_idx, max_top, chosen_logprobs, ranks, top_values, top_ids)
 
-        return SamplerOutput(
-            token_ids=token_ids.tolist(),
-            logprobs=chosen_logprobs.tolist() if chosen_logprobs is not None else None,
-        )
+        if chosen_logprobs is None:
+            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None)
+        top_logprobs = None
+        if max_top:
+            value_rows, id_rows = top_values.tolist(), top_ids.tolist()
+            top_logprobs = [
+                list(zip(id_rows[i][: r.sampling_params.top_logprobs], value_rows[i][: r.sampling_params.top_logprobs],
+                         strict=True)) if r.sampling_params.logprobs else []
+                for i, r in enumerate(requests)
+            ]
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen_logprobs.tolist(),
+                             ranks=ranks.tolist(), top_logprobs=top_logprobs)
+
+    def _logprob_details(
+        self,
+        logits: torch.Tensor,  # [n, vocab_size] processed logits of these rows
+        tokens: torch.Tensor,  # [n] the chosen tokens
+        idx: torch.Tensor | None,  # [n] their rows in the batch, None: all rows
+        max_top: int,
+        chosen: torch.Tensor,  # [num_rows] out: chosen token logprobs
+        ranks: torch.Tensor,  # [num_rows] out: chosen token ranks
+        top_values: torch.Tensor,  # [num_rows, max_top] out
+        top_ids: torch.Tensor,  # [num_rows, max_top] out
+    ) -> None:
+        lp = _chosen_logprobs(logits, tokens)  # [n]
+        self._scatter(chosen, idx, lp)
+        # Rank in logit order equals rank in logprob order (same row normaliser).
+        chosen_logit = logits.gather(1, tokens[:, None])  # [n, 1]
+        self._scatter(ranks, idx, (logits > chosen_logit).sum(dim=-1) + 1)
+        if max_top:
+            values, ids = logits.topk(max_top, dim=-1)  # [n, max_top]
+            values = values - torch.logsumexp(logits, dim=-1, keepdim=True)
+            if idx is None:
+                top_values.copy_(values)
+                top_ids.copy_(ids)
+            else:
+                top_values[idx] = values
+                top_ids[idx] = ids
 
     @staticmethod
     def _scatter(

@@ -2,6 +2,10 @@
 
     python -m client.generate "The quick brown fox" --max-tokens 64 [--url localhost:8001] [--json]
         [--session-id ID]
+    python -m client.generate --chat "What is the capital of France?" [--system "Answer briefly."]
+
+``--chat`` sends the prompt as a user message (the ``messages`` input), which the server renders
+with the model's chat template.
 
 Every stream carries the routing header of client.routing (``x-session-id``): the session id when
 given, otherwise a stable hash of the prompt's first block of text, so that behind nginx
@@ -38,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-stream", action="store_true", help="one response with all the text")
     parser.add_argument("--include-prompt", action="store_true", help="echo the prompt (exclude_input_in_output=false)")
     parser.add_argument("--sampling-parameters", default=None, help="JSON object with vLLM-style keys")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a chat user message (the model's chat template renders it)")
+    parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
     parser.add_argument("--session-id", default=None,
                         help="routing header for replica affinity (default: a hash of the prompt's first block)")
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -55,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         exclude_input_in_output=False if args.include_prompt else None,
         sampling_parameters=args.sampling_parameters,
     )
+    text_input = prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}]
+        options["messages"], text_input = messages, None
 
     printed = 0
 
@@ -69,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         headers = routing_headers(prompt, session_id=args.session_id)
         with StreamingClient(args.url, args.model, headers=headers) as client:
             start = time.monotonic()
-            rid = client.send(prompt, **options)
+            rid = client.send(text_input, **options)
             result = client.collect([rid], {rid: start}, args.timeout, on_response=show)[rid]
     except Exception as exc:  # connection refused, timeouts: one clear line, no traceback
         print(f"error: {exc}", file=sys.stderr)

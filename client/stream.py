@@ -35,25 +35,42 @@ class StreamResult:
     end_time: float = 0.0
     token_times: list[float] = field(default_factory=list)  # arrival of each response with tokens
     deltas: list[str] = field(default_factory=list)
+    # Per data response, the optional outputs it carried as sent (finish_reason, the counts,
+    # cumulative_logprob, logprobs): the vLLM-backend return_* flags change them per response.
+    extras: list[dict] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.start_time
 
 
-def build_inputs(prompt: str, **options) -> list[grpcclient.InferInput]:
-    """The `llm` model's input tensors; options use DESIGN.md's input names (None: not sent)."""
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
+                "return_num_input_tokens", "return_num_output_tokens")
+
+
+def build_inputs(prompt: str | None, **options) -> list[grpcclient.InferInput]:
+    """The `llm` model's input tensors; options use DESIGN.md's input names (None: not sent).
+
+    ``prompt`` None sends no text_input (pass ``messages``: a list of {role, content}, or its JSON).
+    """
     kinds = {
         "max_tokens": np.int32, "min_length": np.int32, "top_k": np.int32,
-        "temperature": np.float32, "top_p": np.float32, "random_seed": np.uint64,
+        "temperature": np.float32, "top_p": np.float32, "random_seed": np.uint64, "seed": np.uint64,
+        "frequency_penalty": np.float32, "presence_penalty": np.float32,
         "stream": bool, "ignore_eos": bool, "exclude_input_in_output": bool,
+        **dict.fromkeys(RETURN_FLAGS, bool),
     }
-    arrays: dict[str, np.ndarray] = {"text_input": np.array([[prompt.encode("utf-8")]], dtype=np.object_)}
+    arrays: dict[str, np.ndarray] = {}
+    if prompt is not None:
+        arrays["text_input"] = np.array([[prompt.encode("utf-8")]], dtype=np.object_)
     for name, value in options.items():
         if value is None:
             continue
         if name == "stop_words":
             arrays[name] = np.array([[w.encode("utf-8") for w in value]], dtype=np.object_)
+        elif name == "messages":
+            text = value if isinstance(value, str) else json.dumps(value)
+            arrays[name] = np.array([[text.encode("utf-8")]], dtype=np.object_)
         elif name == "sampling_parameters":
             text = value if isinstance(value, str) else json.dumps(value)
             arrays[name] = np.array([[text.encode("utf-8")]], dtype=np.object_)
@@ -97,6 +114,16 @@ def _read_response(result: StreamResult, response, now: float) -> None:
         result.num_input_tokens = int(response.as_numpy("num_input_tokens").reshape(-1)[0])
     if "num_output_tokens" in names:
         result.num_output_tokens = int(response.as_numpy("num_output_tokens").reshape(-1)[0])
+    extras = {}
+    for name in ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob", "logprobs"):
+        if name in names:
+            value = response.as_numpy(name).reshape(-1)[0]
+            if name in ("finish_reason", "logprobs"):
+                value = value.decode("utf-8")
+                if name == "logprobs":
+                    value = json.loads(value)
+            extras[name] = value.item() if hasattr(value, "item") else value
+    result.extras.append(extras)
 
 
 class StreamingClient:
@@ -122,7 +149,7 @@ class StreamingClient:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def send(self, prompt: str, request_id: str | None = None, **options) -> str:
+    def send(self, prompt: str | None, request_id: str | None = None, **options) -> str:
         """Starts one request on the stream; returns its id."""
         request_id = request_id or uuid.uuid4().hex
         self.client.async_stream_infer(

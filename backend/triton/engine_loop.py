@@ -35,6 +35,7 @@ class PendingRequest:
     prompt: str
     sampling_params: SamplingParams
     arrival_time: float
+    add_special_tokens: bool = True  # False for a prompt rendered from chat messages
 
 
 def error_output(request_id: str, message: str, arrival_time: float = 0.0,
@@ -157,7 +158,7 @@ class EngineLoop:
         try:
             self.engine.add_request(
                 request.request_id, prompt=request.prompt, sampling_params=request.sampling_params,
-                arrival_time=request.arrival_time,
+                arrival_time=request.arrival_time, add_special_tokens=request.add_special_tokens,
             )
             return None
         except EngineInputError as exc:

@@ -21,12 +21,30 @@ class InputError(ValueError):
     """A request input is missing or bad; the message starts with the field's name."""
 
 
+@dataclass(frozen=True, slots=True)
+class ReturnOptions:
+    """Triton vLLM backend's ``return_*`` inputs: which extra outputs each response carries, and in
+    that backend's form (finish_reason "None" until the end, per-response token counts)."""
+
+    finish_reason: bool = False
+    cumulative_logprob: bool = False
+    logprobs: bool = False
+    num_input_tokens: bool = False
+    num_output_tokens: bool = False
+
+    @property
+    def needs_logprobs(self) -> bool:
+        return self.cumulative_logprob
+
+
 @dataclass(slots=True)
 class ParsedRequest:
-    prompt: str
+    prompt: str | None  # None when the request sent messages instead
     sampling_params: SamplingParams
     stream: bool
     exclude_input_in_output: bool
+    messages: list[dict[str, str]] | None = None  # chat messages, to render with the chat template
+    returns: ReturnOptions = ReturnOptions()
 
 
 # Keys accepted in the `sampling_parameters` JSON object (vLLM names) -> SamplingParams field.
@@ -45,9 +63,19 @@ SAMPLING_PARAMETER_KEYS = {
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
     "logprobs": "logprobs",
+    "skip_special_tokens": "skip_special_tokens",
 }
 # Non-sampling keys that the JSON may carry too (they override the single inputs).
 REQUEST_OPTION_KEYS = ("stream", "exclude_input_in_output")
+# vLLM keys accepted with the one value we implement (clients of Triton's vLLM backend send them).
+FIXED_KEYS = {"n": 1, "best_of": 1, "include_stop_str_in_output": False, "spaces_between_special_tokens": True,
+              "use_beam_search": False, "detokenize": True}
+INT_KEYS = frozenset({"max_tokens", "min_tokens", "top_k", "seed"})
+BOOL_KEYS = frozenset({"ignore_eos", "skip_special_tokens"})
+RETURN_INPUTS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
+                 "return_num_input_tokens", "return_num_output_tokens")
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_CHAT_MESSAGES = 1024
 
 GetInput = Callable[[str], "np.ndarray | None"]
 
@@ -77,9 +105,19 @@ def _decode_utf8(name: str, value) -> str:
     raise InputError(f"{name}: expected UTF-8 bytes, got {type(value).__name__}")
 
 
-def _as_int(name: str, value) -> int:
+def _from_text(name: str, value, convert):
+    """A number sent as a JSON string (Triton's vLLM backend converts them, and its clients rely on it)."""
+    try:
+        return convert(value.strip())
+    except ValueError:
+        raise InputError(f"{name}: expected a number, got {value[:40]!r}") from None
+
+
+def _as_int(name: str, value, text_ok: bool = False) -> int:
     if isinstance(value, bool | np.bool_):
         raise InputError(f"{name}: expected an integer, got a boolean")
+    if text_ok and isinstance(value, str):
+        value = _from_text(name, value, int)
     if isinstance(value, str | bytes | np.bytes_):
         raise InputError(f"{name}: expected an integer, got a string")
     if isinstance(value, float | np.floating):
@@ -91,9 +129,11 @@ def _as_int(name: str, value) -> int:
         raise InputError(f"{name}: expected an integer, got {value!r}") from None
 
 
-def _as_float(name: str, value) -> float:
+def _as_float(name: str, value, text_ok: bool = False) -> float:
     if isinstance(value, bool | np.bool_):
         raise InputError(f"{name}: expected a number, got a boolean")
+    if text_ok and isinstance(value, str):
+        value = _from_text(name, value, float)
     if isinstance(value, str | bytes | np.bytes_):
         raise InputError(f"{name}: expected a number, got a string")
     try:
@@ -105,11 +145,13 @@ def _as_float(name: str, value) -> float:
     return result
 
 
-def _as_bool(name: str, value) -> bool:
+def _as_bool(name: str, value, text_ok: bool = False) -> bool:
     if isinstance(value, bool | np.bool_):
         return bool(value)
     if isinstance(value, int | np.integer) and value in (0, 1):
         return bool(value)
+    if text_ok and isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"  # not Python's bool("false"), which is True
     raise InputError(f"{name}: expected a boolean, got {value!r}")
 
 
@@ -136,15 +178,7 @@ def parse_request(
 
 def _parse_request(get_input: GetInput, default_max_tokens: int, max_tokens_limit: int,
                    max_prompt_bytes: int | None) -> ParsedRequest:
-    raw_prompt = _scalar(get_input, "text_input")
-    if raw_prompt is None:
-        raise InputError("text_input: required input is missing")
-    if max_prompt_bytes is not None and isinstance(raw_prompt, bytes | np.bytes_) and len(raw_prompt) > max_prompt_bytes:
-        raise InputError(
-            f"text_input: the prompt is {len(raw_prompt)} bytes; the limit is {max_prompt_bytes} "
-            "(parameter max_prompt_bytes)"
-        )
-    prompt = _decode_utf8("text_input", raw_prompt)
+    prompt, messages = _prompt_or_messages(get_input, max_prompt_bytes)
 
     values: dict[str, object] = {}
     for name, field_name, convert in (
@@ -154,11 +188,17 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, max_tokens_limi
         ("top_p", "top_p", _as_float),
         ("top_k", "top_k", _as_int),
         ("random_seed", "seed", _as_int),
+        ("seed", "seed", _as_int),  # the name Triton's OpenAI frontend sends
+        ("frequency_penalty", "frequency_penalty", _as_float),
+        ("presence_penalty", "presence_penalty", _as_float),
         ("ignore_eos", "ignore_eos", _as_bool),
     ):
         value = _scalar(get_input, name)
         if value is not None:
-            values[field_name] = convert(name, value)
+            converted = convert(name, value)
+            if field_name in values and values[field_name] != converted:
+                raise InputError(f"{name}: disagrees with random_seed ({values[field_name]} vs {converted})")
+            values[field_name] = converted
     stop_words = get_input("stop_words")
     if stop_words is not None:
         flat = np.asarray(stop_words).reshape(-1)
@@ -171,10 +211,17 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, max_tokens_limi
         value = _scalar(get_input, name)
         if value is not None:
             options[name] = _as_bool(name, value)
+    flags = {}
+    for name in RETURN_INPUTS:
+        value = _scalar(get_input, name)
+        flags[name[len("return_"):]] = False if value is None else _as_bool(name, value)
+    returns = ReturnOptions(**flags)
 
     raw_json = _scalar(get_input, "sampling_parameters")
     if raw_json is not None:
         values.update(_parse_sampling_json(_decode_utf8("sampling_parameters", raw_json), options))
+    if returns.needs_logprobs:
+        values["logprobs"] = True
 
     values.setdefault("max_tokens", default_max_tokens)
     if values["max_tokens"] > max_tokens_limit:
@@ -189,7 +236,72 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, max_tokens_limi
         elif message.startswith("seed"):
             message = "random_seed" + message[len("seed"):]
         raise InputError(message) from None
-    return ParsedRequest(prompt, params, bool(options["stream"]), bool(options["exclude_input_in_output"]))
+    return ParsedRequest(prompt, params, bool(options["stream"]), bool(options["exclude_input_in_output"]),
+                         messages, returns)
+
+
+def _prompt_or_messages(get_input: GetInput, max_prompt_bytes: int | None) -> tuple[str | None, list | None]:
+    """Exactly one of text_input (the prompt) and messages (a chat, JSON)."""
+    raw_prompt = _scalar(get_input, "text_input")
+    raw_messages = _scalar(get_input, "messages")
+    if (raw_prompt is None) == (raw_messages is None):
+        raise InputError("text_input, messages: send exactly one of them (a prompt, or chat messages as JSON)")
+    name = "text_input" if raw_prompt is not None else "messages"
+    raw = raw_prompt if raw_prompt is not None else raw_messages
+    if max_prompt_bytes is not None and isinstance(raw, bytes | np.bytes_) and len(raw) > max_prompt_bytes:
+        raise InputError(
+            f"{name}: {len(raw)} bytes; the limit is {max_prompt_bytes} (parameter max_prompt_bytes)"
+        )
+    text = _decode_utf8(name, raw)
+    if raw_prompt is not None:
+        return text, None
+    return None, parse_messages(text)
+
+
+def parse_messages(text: str) -> list[dict[str, str]]:
+    """A chat as OpenAI's messages: a non-empty JSON array of {"role", "content"} objects.
+
+    content is a string, or a list of {"type": "text", "text": ...} parts (joined); roles are
+    system, user, assistant, tool and developer. Raises InputError naming messages[i].
+    """
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"messages: malformed JSON ({exc.msg} at position {exc.pos})") from None
+    except RecursionError:
+        raise InputError("messages: JSON nested too deeply") from None
+    if not isinstance(obj, list) or not obj:
+        raise InputError("messages: expected a non-empty JSON array of {\"role\", \"content\"} objects")
+    if len(obj) > MAX_CHAT_MESSAGES:
+        raise InputError(f"messages: at most {MAX_CHAT_MESSAGES} messages, got {len(obj)}")
+    messages = []
+    for index, message in enumerate(obj):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise InputError(f"{where}: expected an object with role and content")
+        unknown = sorted(set(message) - {"role", "content", "name"})
+        if unknown:
+            raise InputError(f"{where}: unknown key '{unknown[0]}' (known: content, name, role)")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InputError(f"{where}.role: expected one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise InputError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise InputError(f"{where}.content: expected a string")
+        entry = {"role": role, "content": content}
+        if "name" in message:
+            if not isinstance(message["name"], str):
+                raise InputError(f"{where}.name: expected a string")
+            entry["name"] = message["name"]
+        messages.append(entry)
+    return messages
 
 
 def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, object]:
@@ -209,11 +321,18 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
     for key, value in obj.items():
         where = f"sampling_parameters.{key}"
         if key in REQUEST_OPTION_KEYS:
-            options[key] = _as_bool(where, value)
+            options[key] = _as_bool(where, value, text_ok=True)
+        elif key in FIXED_KEYS:
+            _check_fixed(where, key, value)
+        elif key == "lora_name":
+            if value not in (None, ""):
+                raise InputError(f"{where}: LoRA adapters are not supported by this model")
         elif key not in SAMPLING_PARAMETER_KEYS:
-            known = ", ".join(sorted([*SAMPLING_PARAMETER_KEYS, *REQUEST_OPTION_KEYS]))
+            known = ", ".join(sorted([*SAMPLING_PARAMETER_KEYS, *REQUEST_OPTION_KEYS, *FIXED_KEYS, "lora_name"]))
             raise InputError(f"sampling_parameters: unknown key '{key}' (known: {known})")
-        elif key in ("stop",):
+        elif key == "stop":
+            if value is None:
+                value = []
             if isinstance(value, str):
                 value = [value]
             if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
@@ -223,15 +342,38 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
             if not isinstance(value, list):
                 raise InputError(f"{where}: expected a list of integers")
             values["stop_token_ids"] = [_as_int(where, v) for v in value]
-        elif key in ("ignore_eos", "logprobs"):
-            values[key] = _as_bool(where, value)
+        elif key == "logprobs":
+            # vLLM: an int (how many top tokens besides the chosen one; 0 = only it) or null;
+            # ours before that: a boolean.
+            if value is None or value is False:
+                values["logprobs"] = False
+            elif value is True:
+                values["logprobs"] = True
+            else:
+                values["logprobs"] = True
+                values["top_logprobs"] = _as_int(where, value, text_ok=True)
+        elif key in BOOL_KEYS:
+            values[key] = _as_bool(where, value, text_ok=True)
         elif key == "seed":
-            values["seed"] = None if value is None else _as_int(where, value)
+            values["seed"] = None if value is None else _as_int(where, value, text_ok=True)
         elif key == "top_k":
-            top_k = _as_int(where, value)
+            top_k = _as_int(where, value, text_ok=True)
             values["top_k"] = 0 if top_k == -1 else top_k  # vLLM spells "off" as -1
-        elif key in ("max_tokens", "min_tokens"):
-            values[key] = _as_int(where, value)
+        elif key in INT_KEYS:
+            values[key] = _as_int(where, value, text_ok=True)
         else:
-            values[key] = _as_float(where, value)
+            values[key] = _as_float(where, value, text_ok=True)
     return values
+
+
+def _check_fixed(where: str, key: str, value) -> None:
+    """A vLLM key we accept only at the value we implement (null counts as the default)."""
+    expected = FIXED_KEYS[key]
+    if value is None:
+        return
+    if isinstance(expected, bool):
+        ok = _as_bool(where, value, text_ok=True) == expected
+    else:
+        ok = _as_int(where, value, text_ok=True) == expected
+    if not ok:
+        raise InputError(f"{where}: only {json.dumps(expected)} is supported, got {json.dumps(value)}")

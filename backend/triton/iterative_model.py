@@ -206,8 +206,11 @@ class IterativeDriver:
             return None
         request_id = f"{self.model_name}-{correlation_id}"
         try:
-            self.engine.add_request(request_id, prompt=parsed.prompt, sampling_params=parsed.sampling_params,
-                                    arrival_time=now)
+            prompt, add_special_tokens = parsed.prompt, True
+            if parsed.messages is not None:
+                prompt, add_special_tokens = self.engine.render_chat(parsed.messages), False
+            self.engine.add_request(request_id, prompt=prompt, sampling_params=parsed.sampling_params,
+                                    arrival_time=now, add_special_tokens=add_special_tokens)
         except EngineInputError as exc:
             send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
             return None
@@ -215,7 +218,7 @@ class IterativeDriver:
             logger.exception("adding request %s failed", request_id)
             send_error(pb, sender, f"internal error while adding the request: {exc}")
             return None
-        sequence = Sequence(request_id, parsed.stream, parsed.exclude_input_in_output, parsed.prompt, now)
+        sequence = Sequence(request_id, parsed.stream, parsed.exclude_input_in_output, prompt, now)
         self.sequences[correlation_id] = sequence
         self._by_request_id[request_id] = correlation_id
         return sequence
@@ -260,7 +263,7 @@ class IterativeDriver:
             sender.send(build_response(pb, text, token_ids))
             return
         reason = final.finish_reason.value if final.finish_reason is not None else ""
-        sender.send(build_response(pb, text, token_ids, reason, (final.num_prompt_tokens, final.num_output_tokens)),
+        sender.send(build_response(pb, text, token_ids, reason, final.num_prompt_tokens, final.num_output_tokens),
                     flags=flag)
 
     def _abort_abandoned(self, present: dict, now: float) -> None:

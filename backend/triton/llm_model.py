@@ -74,7 +74,7 @@ class TritonPythonModel:
         self.engine = LLMEngine(self.config)
         self.metrics = TritonMetrics(pb_utils, self.model_name)
         self.loop = EngineLoop(self.engine, self.config.scheduler.max_queue_len)
-        self.responder = Responder(pb_utils, self.loop, self.metrics)
+        self.responder = Responder(pb_utils, self.loop, self.metrics, self.engine.tokenizer)
         self._ids = itertools.count()
         self.loop.start()
         self.responder.start()
@@ -116,6 +116,7 @@ class TritonPythonModel:
         return None
 
     def _admit(self, request, sender) -> None:
+        from backend.engine import EngineInputError  # noqa: PLC0415
         from backend.triton.engine_loop import BusyError, PendingRequest  # noqa: PLC0415
         from backend.triton.inputs import InputError, parse_request  # noqa: PLC0415
         from backend.triton.responder import ActiveRequest  # noqa: PLC0415
@@ -134,10 +135,18 @@ class TritonPythonModel:
         except InputError as exc:
             self._send_error(sender, str(exc), pb.TritonError.INVALID_ARG)
             return
+        prompt, add_special_tokens = parsed.prompt, True
+        if parsed.messages is not None:
+            try:
+                prompt, add_special_tokens = self.engine.render_chat(parsed.messages), False
+            except EngineInputError as exc:
+                self._send_error(sender, str(exc), pb.TritonError.INVALID_ARG)
+                return
         active = ActiveRequest(
-            request_id, sender, parsed.stream, parsed.exclude_input_in_output, parsed.prompt, arrival_time
+            request_id, sender, parsed.stream, parsed.exclude_input_in_output, prompt, arrival_time,
+            returns=parsed.returns, wants_logprobs=parsed.sampling_params.logprobs,
         )
-        pending = PendingRequest(request_id, parsed.prompt, parsed.sampling_params, arrival_time)
+        pending = PendingRequest(request_id, prompt, parsed.sampling_params, arrival_time, add_special_tokens)
         try:
             self.loop.submit(pending, on_accept=lambda: self.responder.register(active))
         except BusyError as exc:

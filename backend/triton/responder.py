@@ -18,7 +18,9 @@ import numpy as np
 
 from backend.engine import RequestOutput
 from backend.triton.engine_loop import EngineLoop
+from backend.triton.inputs import ReturnOptions
 from backend.triton.metrics import TritonMetrics, record_finish, record_tokens
+from backend.triton.return_outputs import extra_tensors, finish_reason_text, logprob_entries, token_counts
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +43,15 @@ class ActiveRequest:
     last_token_time: float | None = None
     prompt_sent: bool = False
     cancelled: bool = False
+    returns: ReturnOptions = ReturnOptions()  # the vLLM backend's return_* flags
+    wants_logprobs: bool = False  # the request asked for logprobs (sampling_parameters)
+    cumulative_logprob: float = 0.0
+    outputs: list[RequestOutput] = field(default_factory=list)  # stream=false: for logprobs at the end
 
 
 def build_response(pb, text: str, token_ids: list[int], finish_reason: str = "",
-                   counts: tuple[int, int] | None = None):
-    """One `llm` response: text_output, output_ids, finish_reason; the token counts when final.
+                   num_input_tokens: int | None = None, num_output_tokens: int | None = None, extra=()):
+    """One `llm` response: text_output, output_ids, finish_reason; the token counts when given.
 
     Shared by the `llm` responder thread and the `llm_iterative` model so both send the same tensors.
     """
@@ -54,17 +60,20 @@ def build_response(pb, text: str, token_ids: list[int], finish_reason: str = "",
         pb.Tensor("output_ids", np.array([token_ids], dtype=np.int32).reshape(1, -1)),
         pb.Tensor("finish_reason", np.array([[finish_reason.encode()]], dtype=np.object_)),
     ]
-    if counts is not None:
-        tensors.append(pb.Tensor("num_input_tokens", np.array([[counts[0]]], dtype=np.int32)))
-        tensors.append(pb.Tensor("num_output_tokens", np.array([[counts[1]]], dtype=np.int32)))
+    if num_input_tokens is not None:
+        tensors.append(pb.Tensor("num_input_tokens", np.array([[num_input_tokens]], dtype=np.int32)))
+    if num_output_tokens is not None:
+        tensors.append(pb.Tensor("num_output_tokens", np.array([[num_output_tokens]], dtype=np.int32)))
+    tensors.extend(extra)
     return pb.InferenceResponse(output_tensors=tensors)
 
 
 class Responder:
-    def __init__(self, pb_utils, loop: EngineLoop, metrics: TritonMetrics | None):
+    def __init__(self, pb_utils, loop: EngineLoop, metrics: TritonMetrics | None, tokenizer=None):
         self.pb = pb_utils
         self.loop = loop
         self.metrics = metrics
+        self.tokenizer = tokenizer  # decodes the tokens of vLLM-style logprobs
         self._active: dict[str, ActiveRequest] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="llm-responder", daemon=True)
@@ -129,9 +138,13 @@ class Responder:
         num_new = len(output.new_token_ids)
         if num_new and not active.cancelled:
             record_tokens(active, output, now, self.metrics)
+        if output.logprobs:
+            active.cumulative_logprob += sum(output.logprobs)
         if not active.stream:
             active.text_parts.append(output.text)
             active.token_ids.extend(output.new_token_ids)
+            if active.returns.logprobs:
+                active.outputs.append(output)
         if output.finished:
             self._finish(active, output, now)
         elif active.stream and not active.cancelled:
@@ -149,22 +162,27 @@ class Responder:
             active.sender.send(self.pb.InferenceResponse(output_tensors=[], error=error), flags=final_flag)
             return
         if active.stream:
-            text, token_ids = output.text, output.new_token_ids
+            text, token_ids, outputs = output.text, output.new_token_ids, [output]
         else:
-            text, token_ids = "".join(active.text_parts), active.token_ids
-        active.sender.send(self._response(active, text, token_ids, output, output), flags=final_flag)
+            text, token_ids, outputs = "".join(active.text_parts), active.token_ids, active.outputs
+        active.sender.send(self._response(active, text, token_ids, output, output, outputs), flags=final_flag)
 
     def _response(self, active: ActiveRequest, text: str, token_ids: list[int], output: RequestOutput,
-                  final: RequestOutput | None):
-        """One response: text_output and output_ids, plus finish_reason and counts when final."""
+                  final: RequestOutput | None, outputs: list[RequestOutput] | None = None):
+        """One response: text_output and output_ids, finish_reason, the counts and extras asked for."""
         pb = self.pb
+        num_new_tokens = len(token_ids)
         if not active.exclude_input_in_output and not active.prompt_sent:
             active.prompt_sent = True  # the first response carries the prompt too
             text = active.prompt + text
             token_ids = list(output.prompt_token_ids or []) + list(token_ids)
-        reason = final.finish_reason.value if final is not None and final.finish_reason else ""
-        counts = (final.num_prompt_tokens, final.num_output_tokens) if final is not None else None
-        return build_response(pb, text, token_ids, reason, counts)
+        returns = active.returns
+        num_input, num_output = token_counts(returns, output, num_new_tokens, final)
+        extra = ()
+        if returns.logprobs or returns.cumulative_logprob:
+            entries = logprob_entries(self.tokenizer, outputs or [output]) if returns.logprobs else []
+            extra = extra_tensors(pb, returns, active.wants_logprobs, active.cumulative_logprob, entries)
+        return build_response(pb, text, token_ids, finish_reason_text(returns, final), num_input, num_output, extra)
 
     def _fail_remaining(self, message: str) -> None:
         with self._lock:

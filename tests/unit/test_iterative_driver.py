@@ -77,7 +77,7 @@ class FakeEngine:
         self.added, self.aborted, self.script = [], [], []
         self.num_waiting = 0
 
-    def add_request(self, request_id, prompt, sampling_params, arrival_time):
+    def add_request(self, request_id, prompt, sampling_params, arrival_time, add_special_tokens=True):
         self.added.append(request_id)
 
     def abort_request(self, request_id):

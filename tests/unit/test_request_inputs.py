@@ -103,7 +103,7 @@ def test_hostile_values_get_an_input_error_naming_the_field(values, message):
 def test_prompt_bytes_are_capped_before_decoding():
     get = tensors(text_input="ab" * 600)
     assert parse_request(get, 32, 1000, max_prompt_bytes=1200).prompt == "ab" * 600
-    with pytest.raises(InputError, match=r"^text_input: the prompt is 1202 bytes; the limit is 1200"):
+    with pytest.raises(InputError, match=r"^text_input: 1202 bytes; the limit is 1200"):
         parse_request(tensors(text_input="ab" * 601), 32, 1000, max_prompt_bytes=1200)
 
 
@@ -117,3 +117,96 @@ def test_a_reader_bug_becomes_an_input_error_not_an_exception():
 
     with pytest.raises(InputError, match=r"^request: could not be read \(MemoryError: cannot map the tensor\)"):
         parse_request(get_input, 32, 1000)
+
+
+def parse_tensors(**arrays):
+    return parse_request(lambda name: arrays.get(name), default_max_tokens=32, max_tokens_limit=1000)
+
+
+def text_tensor(text: str):
+    return np.array([[text.encode()]], dtype=np.object_)
+
+
+def test_messages_are_parsed_and_exactly_one_of_text_input_and_messages_is_required():
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    parsed = parse_tensors(messages=text_tensor(json.dumps(chat)))
+    assert parsed.prompt is None
+    assert parsed.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    for arrays in ({}, {"text_input": text_tensor("x"), "messages": text_tensor(json.dumps(chat))}):
+        with pytest.raises(InputError, match=r"^text_input, messages: send exactly one"):
+            parse_tensors(**arrays)
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ("[{", "messages: malformed JSON"),
+        ('{"role": "user"}', "messages: expected a non-empty JSON array"),
+        ("[]", "messages: expected a non-empty JSON array"),
+        ("[" * 3000 + "]" * 3000, "messages: JSON nested too deeply"),
+        ('["hello"]', "messages[0]: expected an object"),
+        ('[{"role": "bot", "content": "x"}]', "messages[0].role: expected one of system, user"),
+        ('[{"content": "x"}]', "messages[0].role: expected one of"),
+        ('[{"role": "user"}]', "messages[0].content: expected a string"),
+        ('[{"role": "user", "content": 5}]', "messages[0].content: expected a string"),
+        ('[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]', "messages[0].content: only text parts"),
+        ('[{"role": "user", "content": "x", "tool_calls": []}]', "messages[0]: unknown key 'tool_calls'"),
+        ('[{"role": "user", "content": "x"}, {"role": "user", "content": "y", "name": 3}]', "messages[1].name"),
+    ],
+)
+def test_bad_messages_name_the_field(messages, message):
+    with pytest.raises(InputError) as info:
+        parse_tensors(messages=text_tensor(messages))
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_vllm_backend_clients_sampling_parameters_are_understood():
+    """Triton's vLLM backend converts string values; its sample client sends them."""
+    parsed = parse(text_input="x", sampling_parameters=json.dumps({
+        "temperature": "0.1", "top_p": "0.95", "max_tokens": "100", "ignore_eos": "false", "n": 1, "best_of": None,
+        "skip_special_tokens": False, "logprobs": 3, "lora_name": None, "stop": None, "seed": "7",
+    }))
+    params = parsed.sampling_params
+    assert (params.max_tokens, params.ignore_eos, params.skip_special_tokens, params.seed) == (100, False, False, 7)
+    assert params.temperature == pytest.approx(0.1) and params.top_p == pytest.approx(0.95)
+    assert params.logprobs and params.top_logprobs == 3 and params.stop == []
+    assert parse(text_input="x", sampling_parameters='{"logprobs": 0}').sampling_params.top_logprobs == 0
+    assert not parse(text_input="x", sampling_parameters='{"logprobs": null}').sampling_params.logprobs
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"n": 2}, "sampling_parameters.n: only 1 is supported"),
+        ({"best_of": 3}, "sampling_parameters.best_of: only 1 is supported"),
+        ({"include_stop_str_in_output": True}, "sampling_parameters.include_stop_str_in_output: only false"),
+        ({"lora_name": "adapter"}, "sampling_parameters.lora_name: LoRA adapters are not supported"),
+        ({"temperature": "warm"}, "sampling_parameters.temperature: expected a number"),
+        ({"ignore_eos": "maybe"}, "sampling_parameters.ignore_eos: expected a boolean"),
+        ({"logprobs": 21}, "logprobs: at most 20 top logprobs"),
+    ],
+)
+def test_vllm_keys_we_do_not_implement_are_refused_by_name(values, message):
+    with pytest.raises(InputError) as info:
+        parse(text_input="x", sampling_parameters=json.dumps(values))
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_openai_frontend_inputs_and_return_flags():
+    """What Triton's OpenAI frontend sends a Python-backend model (its TensorRT-LLM request format)."""
+    parsed = parse_tensors(
+        text_input=text_tensor("x"), max_tokens=np.array([[9]], dtype=np.int32),
+        seed=np.array([[5]], dtype=np.uint64), frequency_penalty=np.array([[0.5]], dtype=np.float32),
+        presence_penalty=np.array([[0.25]], dtype=np.float32),
+        return_num_input_tokens=np.array([[True]]), return_num_output_tokens=np.array([[True]]),
+        return_cumulative_logprob=np.array([[True]]),
+    )
+    params = parsed.sampling_params
+    assert (params.max_tokens, params.seed, params.frequency_penalty, params.presence_penalty) == (9, 5, 0.5, 0.25)
+    assert parsed.returns.num_input_tokens and parsed.returns.num_output_tokens
+    assert not parsed.returns.finish_reason and not parsed.returns.logprobs
+    assert params.logprobs  # a cumulative logprob needs the chosen tokens' logprobs
+    with pytest.raises(InputError, match=r"^seed: disagrees with random_seed"):
+        parse_tensors(text_input=text_tensor("x"), seed=np.array([[5]], dtype=np.uint64),
+                      random_seed=np.array([[6]], dtype=np.uint64))

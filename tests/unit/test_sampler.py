@@ -61,6 +61,27 @@ def test_greedy_logprobs_and_mixed_batch() -> None:
         assert out.logprobs[i] == pytest.approx(float(want_lp[i, out.token_ids[i]]), abs=1e-6)
 
 
+def test_ranks_and_top_logprobs_follow_the_processed_distribution() -> None:
+    logits = random_logits(4, seed=7)
+    reqs = [
+        make_request("greedy-top3", logprobs=True, top_logprobs=3),
+        make_request("random-top5", logprobs=True, top_logprobs=5, temperature=0.7, seed=3),
+        make_request("rank-only", logprobs=True, temperature=1.0, seed=4),
+        make_request("no-logprobs"),
+    ]
+    out = Sampler()(logits, reqs)
+    for i, temperature in ((0, 1.0), (1, 0.7), (2, 1.0)):
+        want = torch.log_softmax(logits[i] / temperature, -1)
+        chosen = out.token_ids[i]
+        assert out.ranks[i] == int((want > want[chosen]).sum()) + 1
+        k = reqs[i].sampling_params.top_logprobs
+        values, ids = want.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        assert [t for t, _ in out.top_logprobs[i]] == ids.tolist()
+        assert [lp for _, lp in out.top_logprobs[i]] == pytest.approx(values.tolist(), abs=1e-5)
+    assert out.ranks[0] == 1 and out.top_logprobs[0][0][0] == out.token_ids[0]  # greedy: the best token
+    assert out.top_logprobs[3] == []
+
+
 def test_bfloat16_logits() -> None:
     logits = random_logits(4, seed=2).to(torch.bfloat16)
     out = Sampler()(logits, [make_request(f"r{i}", logprobs=True) for i in range(4)])

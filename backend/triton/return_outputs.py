@@ -1,0 +1,79 @@
+"""The outputs that Triton's vLLM backend returns on request (its ``return_*`` inputs), in its form.
+
+Clients written for that backend (and Triton's OpenAI frontend) ask for them per request:
+
+- ``return_finish_reason``: ``finish_reason`` on every response, "None" until the last one, then
+  vLLM's reason ("stop" for EOS and stop conditions, "length", "abort").
+- ``return_num_input_tokens``: ``num_input_tokens`` on every response.
+- ``return_num_output_tokens``: ``num_output_tokens`` on every response: the tokens *of that
+  response* (the OpenAI frontend sums them for its usage block).
+- ``return_cumulative_logprob``: ``cumulative_logprob``, the sum of the chosen tokens' logprobs so far.
+- ``return_logprobs``: ``logprobs``, a JSON array with one object per new token,
+  ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` for the chosen token and the request's
+  top tokens (sampling_parameters ``logprobs: k``); the string "null" when the request asked for
+  no logprobs.
+
+Without the flags, responses keep our own schema: finish_reason empty until the final response
+(which names ``eos`` apart from ``stop``), and both counts, as totals, on the final response only.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from backend.engine import RequestOutput
+from backend.request import FinishReason
+from backend.triton.inputs import ReturnOptions
+
+VLLM_FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+                       FinishReason.ABORT: "abort"}
+
+
+def finish_reason_text(returns: ReturnOptions, final: RequestOutput | None) -> str:
+    reason = final.finish_reason if final is not None else None
+    if not returns.finish_reason:
+        return reason.value if reason is not None else ""
+    if reason is None:
+        return "None"  # str(None), as vLLM's backend sends before the end
+    return VLLM_FINISH_REASONS.get(reason, reason.value)
+
+
+def token_counts(returns: ReturnOptions, output: RequestOutput, num_new_tokens: int,
+                 final: RequestOutput | None) -> tuple[int | None, int | None]:
+    """(num_input_tokens, num_output_tokens) for one response; None leaves the tensor out."""
+    num_input = output.num_prompt_tokens if (returns.num_input_tokens or final is not None) else None
+    if returns.num_output_tokens:
+        num_output = num_new_tokens
+    else:
+        num_output = final.num_output_tokens if final is not None else None
+    return num_input, num_output
+
+
+def logprob_entries(tokenizer, outputs: list[RequestOutput]) -> list[dict]:
+    """vLLM's per-token logprobs objects for the tokens of ``outputs`` (in order)."""
+    entries = []
+    for output in outputs:
+        if not output.logprobs:
+            continue
+        ranks = output.logprob_ranks or [0] * len(output.logprobs)
+        tops = output.top_logprobs or [[] for _ in output.logprobs]
+        for token_id, logprob, rank, top in zip(output.new_token_ids, output.logprobs, ranks, tops, strict=True):
+            entry = {str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token_id])}}
+            for position, (top_id, top_logprob) in enumerate(top, start=1):
+                entry.setdefault(str(top_id), {"logprob": top_logprob, "rank": position,
+                                               "decoded_token": tokenizer.decode([top_id])})
+            entries.append(entry)
+    return entries
+
+
+def extra_tensors(pb, returns: ReturnOptions, wants_logprobs: bool, cumulative_logprob: float,
+                  logprobs: list[dict]) -> list:
+    tensors = []
+    if returns.cumulative_logprob:
+        tensors.append(pb.Tensor("cumulative_logprob", np.array([[cumulative_logprob]], dtype=np.float32)))
+    if returns.logprobs:
+        text = json.dumps(logprobs) if wants_logprobs else "null"
+        tensors.append(pb.Tensor("logprobs", np.array([[text.encode("utf-8")]], dtype=np.object_)))
+    return tensors
