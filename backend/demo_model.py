@@ -35,8 +35,10 @@ MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEMO_REPOSITORY = REPO_ROOT / "models" / "demo-repository"
 DEMO_REPOSITORY_MODELS = ("llm", "llm_iterative", "tokenizer")
 # Parameters of the served configs that the demo repository changes (paths relative to a model's
-# folder, as in model_repository). The demo model's context is 4096; 2048 keeps tests quick.
-DEMO_PARAMETERS = {"model_dir": "../../demo-llama", "tokenizer_dir": "../../demo-llama", "max_model_len": "2048"}
+# folder, as in model_repository). The demo model's context is 4096; 2048 keeps tests quick;
+# float32 keeps greedy tokens independent of how requests are batched, which the tests compare.
+DEMO_PARAMETERS = {"model_dir": "../../demo-llama", "tokenizer_dir": "../../demo-llama", "max_model_len": "2048",
+                   "dtype": "float32"}
 
 
 @dataclass(frozen=True, slots=True)

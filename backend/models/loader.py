@@ -44,8 +44,10 @@ class ModelLoadError(ValueError):
 def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """config.pbtxt's ``dtype`` (auto | float32 | bfloat16 | float16) as a torch dtype.
 
-    auto: float32 on the CPU (what transformers runs, hence exact greedy parity); on CUDA the
-    checkpoint's dtype when it is 16-bit, else float32.
+    auto: bfloat16 on the CPU (measured on SmolLM2-135M, 2 AVX2 cores: 1.37x float32's
+    throughput, and it drifts from float32 no more than transformers' own bfloat16 does; set
+    float32 for exact greedy parity with transformers in float32); on CUDA the checkpoint's dtype
+    when it is 16-bit, else float32.
     """
     explicit = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name in explicit:
@@ -53,7 +55,7 @@ def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) 
     if name != "auto":
         raise ValueError(f"unknown dtype '{name}'")
     if torch.device(device).type == "cpu":
-        return torch.float32
+        return torch.bfloat16
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(saved, str):
         saved = getattr(torch, saved, None)
