@@ -41,8 +41,10 @@ MODES = {"consistent-hash": True, "round-robin": False}
 
 
 def write_repository(dest: Path, model_dir: Path, overrides: dict[str, str]) -> Path:
-    """model_repository/llm with absolute model paths and the given parameters."""
-    shutil.copytree(REPO_ROOT / "model_repository" / "llm", dest / "llm", ignore=shutil.ignore_patterns("__pycache__"))
+    """The served llm config on the demo model (models/demo-repository) with absolute model paths and
+    the given parameters."""
+    shutil.copytree(REPO_ROOT / "models" / "demo-repository" / "llm", dest / "llm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     config = dest / "llm" / "config.pbtxt"
     text = config.read_text()
     for key, value in {"model_dir": str(model_dir), "tokenizer_dir": str(model_dir), **overrides}.items():

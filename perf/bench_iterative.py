@@ -32,7 +32,7 @@ from backend.launcher import start_server
 from client.bench.cli import main as bench_main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+MODEL_REPOSITORY = REPO_ROOT / "models" / "demo-repository"  # the served configs on the demo model
 DEMO_MODEL = REPO_ROOT / "models" / "demo-llama"
 
 DIRECT_BATCHING = """sequence_batching {
@@ -55,7 +55,7 @@ def write_repository(dest: Path) -> Path:
     text = re.sub(r"sequence_batching \{.*?\n\}", DIRECT_BATCHING, text, count=1, flags=re.S)
     direct.write_text(text)
     for config in dest.glob("*/config.pbtxt"):
-        config.write_text(config.read_text().replace("../../models/demo-llama", str(DEMO_MODEL)))
+        config.write_text(config.read_text().replace("../../demo-llama", str(DEMO_MODEL)))
     return dest
 
 
@@ -68,7 +68,7 @@ def write_tokenizer_repository(dest: Path) -> Path:
     text = plain.read_text().replace('name: "tokenizer"', 'name: "tokenizer_nobatch"')
     plain.write_text(re.sub(r"dynamic_batching \{.*?\n\}\n", "", text, count=1, flags=re.S))
     for config in dest.glob("*/config.pbtxt"):
-        config.write_text(config.read_text().replace("../../models/demo-llama", str(DEMO_MODEL)))
+        config.write_text(config.read_text().replace("../../demo-llama", str(DEMO_MODEL)))
     return dest
 
 

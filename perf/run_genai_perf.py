@@ -6,7 +6,7 @@
 
 Starts tritonserver on free ports (always stopped) unless --url names a running one, then runs
 ``genai-perf profile -m llm --service-kind triton --backend tensorrtllm --streaming --tokenizer
-models/demo-llama`` once per concurrency with synthetic prompts of --input-len tokens (stddev 0)
+models/smollm2-135m-instruct`` once per concurrency with synthetic prompts of --input-len tokens (stddev 0)
 and deterministic --output-len outputs (genai-perf sends max_tokens and min_length). Reports
 (genai-perf's CSV/JSON exports, its profile export, the console log) go under
 perf/results/genai_perf/<UTC time>/concurrency<N>/. genai-perf is found next to this interpreter
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens (default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens, deterministic (default: %(default)s)")
     parser.add_argument("--num-prompts", type=int, default=100, help="distinct synthetic prompts (default: %(default)s)")
-    parser.add_argument("--tokenizer", default=str(REPO_ROOT / "models" / "demo-llama"))
+    parser.add_argument("--tokenizer", default=str(REPO_ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--measurement-interval-ms", type=int, default=None, help="genai-perf -p (default: its 10000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one genai-perf run may take")

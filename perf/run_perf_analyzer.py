@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens, forced (default: %(default)s)")
     parser.add_argument("--num-prompts", type=int, default=100, help="distinct prompts (default: %(default)s)")
-    parser.add_argument("--tokenizer", default=str(REPO_ROOT / "models" / "demo-llama"))
+    parser.add_argument("--tokenizer", default=str(REPO_ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--measurement-request-count", type=int, default=None,
                         help="count windows of this many requests instead of 5 s time windows")

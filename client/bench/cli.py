@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="triton: the llm model over gRPC streams; openai: /v1/completions streaming of an "
                              "OpenAI-compatible server such as vLLM, to compare stacks (default: %(default)s)")
     parser.add_argument("--model", default="llm", help="model name (default: %(default)s)")
-    parser.add_argument("--tokenizer", default="models/demo-llama", help="folder with tokenizer.json (default: %(default)s)")
+    parser.add_argument("--tokenizer", default="models/smollm2-135m-instruct", help="folder with tokenizer.json (default: %(default)s)")
     parser.add_argument("--corpus", default=None, help="text the prompts are cut from (default: data/demo_corpus.txt)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", help="users, closed loop; a list sweeps (e.g. 1,8,32; default 1)")

@@ -51,13 +51,14 @@ def test_load_generator_reports_every_request(triton_server, demo_model_dir, tmp
         assert (tmp_path / "bench.png").stat().st_size > 0
 
 
-def test_perf_analyzer_streaming_sweep(triton_server, tmp_path):
+def test_perf_analyzer_streaming_sweep(triton_server, demo_model_dir, tmp_path):
     problem = ensure_perf_analyzer()
     if problem:
         pytest.skip(f"perf_analyzer cannot run here: {problem}")
     out_dir = tmp_path / "pa"
     code = perf_analyzer_main([
-        "--url", triton_server.grpc_url, "--concurrency-range", "1:2:1", "--input-len", "24",
+        "--url", triton_server.grpc_url, "--tokenizer", str(demo_model_dir), "--concurrency-range", "1:2:1",
+        "--input-len", "24",
         "--output-len", "8", "--num-prompts", "8", "--measurement-request-count", "4",
         "--stability-percentage", "999", "--max-trials", "3", "--out-dir", str(out_dir),
     ])
@@ -73,7 +74,7 @@ def test_perf_analyzer_streaming_sweep(triton_server, tmp_path):
     assert all(row["metrics"]["num_errors"] == 0 and row["metrics"]["ttft_ms"]["p50"] > 0 for row in token_metrics)
 
 
-def test_genai_perf_profile(triton_server, tmp_path):
+def test_genai_perf_profile(triton_server, demo_model_dir, tmp_path):
     problem = ensure_perf_analyzer()
     if problem:
         pytest.skip(f"genai-perf drives perf_analyzer, which cannot run here: {problem}")
@@ -81,7 +82,8 @@ def test_genai_perf_profile(triton_server, tmp_path):
         pytest.skip("genai-perf is not installed (pip install -e '.[perf]' installs genai-perf==0.0.8)")
     out_dir = tmp_path / "gp"
     code = genai_perf_main([
-        "--url", triton_server.grpc_url, "--concurrency", "2", "--input-len", "24", "--output-len", "8",
+        "--url", triton_server.grpc_url, "--tokenizer", str(demo_model_dir), "--concurrency", "2",
+        "--input-len", "24", "--output-len", "8",
         "--num-prompts", "8", "--out-dir", str(out_dir),
         "--", "--", "--measurement-mode", "count_windows", "--measurement-request-count", "4", "-s", "999", "-r", "3",
     ])
