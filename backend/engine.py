@@ -9,7 +9,6 @@ incrementally and checks stop conditions. Triton's glue (backend/triton) drives 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +17,7 @@ import torch
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.kv_cache.manager import KVCacheManager
+from backend.model_runner import ModelRunner
 from backend.request import FinishReason, Request, RequestStatus, SamplingParams
 from backend.sampler import Sampler, SamplerOutput
 from backend.scheduler import Scheduler
@@ -80,95 +80,39 @@ def internal_error_message(exc: BaseException) -> str:
     return f"internal error during generation: {type(exc).__name__}: {exc}"
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise EngineInputError("parameter 'device': cuda requested but torch sees no CUDA device")
-    return torch.device(name)
-
-
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache (see module docstring)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        """``runner`` defaults to ``ModelRunner.load`` of ``config``; the engine learns its block count.
+
+        Raises ConfigError naming the parameter when the model cannot be served as configured.
+        """
         from transformers import AutoTokenizer  # noqa: PLC0415
 
-        from backend.attention.selector import get_attention_backend  # noqa: PLC0415
-        from backend.model_runner import ModelRunner, allocate_kv_caches, kv_cache_bytes_per_block  # noqa: PLC0415
-        from backend.models.llama import get_head_size, get_num_kv_heads  # noqa: PLC0415
-        from backend.models.loader import ModelLoadError, load_config, load_model, resolve_dtype  # noqa: PLC0415
-
         self.config = config
-        model_config = config.model
-        torch.manual_seed(model_config.seed)
-        self.device = resolve_device(model_config.device)
-        if not os.path.isdir(model_config.model_dir):
-            raise EngineInputError(f"parameter 'model_dir': {model_config.model_dir} is not a folder")
-        try:
-            probe_config = load_config(model_config.model_dir, model_config.max_model_len)
-        except ModelLoadError as exc:
-            raise EngineInputError(f"parameter 'model_dir': {exc}") from None
-        self.tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer_dir)
-        self.dtype = resolve_dtype(model_config.dtype, probe_config, self.device)
-        try:
-            self.attention_backend = get_attention_backend(
-                model_config.attention_backend, self.device, get_head_size(probe_config), self.dtype
-            )
-        except (ValueError, RuntimeError) as exc:
-            raise EngineInputError(str(exc)) from None
-        self.model, self.hf_config = load_model(
-            model_config.model_dir, self.dtype, self.device, self.attention_backend, model_config.max_model_len
-        )
-        self.max_model_len = model_config.max_model_len
+        torch.manual_seed(config.model.seed)
+        self.model_runner = runner or ModelRunner.load(config.model, config.cache, config.scheduler.max_num_seqs)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_dir)
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = self.model_runner.shape.vocab_size
         self.eos_token_id = self._eos_token_id()
-
-        block_size = config.cache.block_size
-        self.num_kv_blocks = self._num_kv_blocks(kv_cache_bytes_per_block(self.hf_config, block_size, self.dtype))
-        kv_caches = allocate_kv_caches(
-            self.hf_config.num_hidden_layers, self.num_kv_blocks, block_size,
-            get_num_kv_heads(self.hf_config), get_head_size(self.hf_config), self.dtype, self.device,
-        )
-        self.model_runner = ModelRunner(self.model, self.hf_config, kv_caches, block_size, self.device)
+        self.num_kv_blocks = self.model_runner.num_kv_blocks
+        block_size = self.model_runner.block_size
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager)
-        self.sampler = Sampler(seed=model_config.seed)
+        self.sampler = Sampler(seed=config.model.seed)
         self.requests: dict[str, Request] = {}
         self._step_requests: list[Request] | None = None  # scheduled in the running step
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        logger.info(
-            "engine ready: device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens",
-            self.device, self.dtype, getattr(self.attention_backend, "name", "?"), self.num_kv_blocks, block_size,
-        )
 
     # ----------------------------------------------------------------------------- set-up helpers
     def _eos_token_id(self) -> int | None:
-        eos = getattr(self.hf_config, "eos_token_id", None)
+        eos = getattr(self.model_runner.hf_config, "eos_token_id", None)
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         if eos is None:
             eos = self.tokenizer.eos_token_id
         return eos
-
-    def _num_kv_blocks(self, bytes_per_block: int) -> int:
-        """num_kv_blocks, else kv_cache_memory_mb, else automatic (GPU: 85% of free; CPU: up to 2 GiB)."""
-        cache = self.config.cache
-        if cache.num_kv_blocks:
-            return cache.num_kv_blocks
-        if cache.kv_cache_memory_mb:
-            budget = cache.kv_cache_memory_mb * 2**20
-        elif self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.85)
-        else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(2 * 2**30, available // 4)
-        # More blocks than every sequence at full length can use would only waste memory.
-        useful = self.config.scheduler.max_num_seqs * -(-self.max_model_len // cache.block_size) + 1
-        num_blocks = min(budget // bytes_per_block, useful)
-        if num_blocks < 2:
-            raise EngineInputError("parameter 'kv_cache_memory_mb': too small for one KV block")
-        return int(num_blocks)
 
     # ----------------------------------------------------------------------------- requests
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -214,7 +158,7 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt, add_special_tokens)
         if not prompt_token_ids:
             raise EngineInputError("text_input: the prompt is empty and the tokenizer adds no BOS token")
-        vocab = self.hf_config.vocab_size
+        vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise EngineInputError(f"prompt token ids must be in [0, {vocab})")
         bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < vocab]
@@ -236,11 +180,11 @@ class LLMEngine:
             request_id, list(prompt_token_ids), params, eos_token_id=self.eos_token_id,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
-        self.requests[request_id] = request
-        self.detokenizers[request_id] = IncrementalDetokenizer(
+        request.detokenizer = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, stop=list(params.stop),
             skip_special_tokens=params.skip_special_tokens,
         )
+        self.requests[request_id] = request
         self.scheduler.add_request(request)
         return request
 
@@ -379,7 +323,7 @@ class LLMEngine:
             request.output_top_logprobs.append(sampled.top_logprobs[index] if sampled.top_logprobs else [])
         if request.first_token_time is None:
             request.first_token_time = now
-        detokenizer = self.detokenizers[request.request_id]
+        detokenizer = request.detokenizer
         text = detokenizer.update([token_id])
         reason = self._stop_reason(request, token_id, detokenizer)
         if reason is None:
@@ -415,7 +359,7 @@ class LLMEngine:
             finish_reason=None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=request.num_cached_tokens,
             logprobs=logprobs,
             logprob_ranks=ranks,
             top_logprobs=top,
@@ -427,11 +371,9 @@ class LLMEngine:
 
     def _final_output(self, request: Request, new_token_ids: list[int], text: str) -> RequestOutput:
         """The request's last output: flushes held-back text and forgets the request."""
-        detokenizer = self.detokenizers.pop(request.request_id, None)
-        if detokenizer is not None and request.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
-            text += detokenizer.finish()
-        self.requests.pop(request.request_id, None)
-        self.sampler.free(request.request_id)
+        if request.detokenizer is not None and request.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
+            text += request.detokenizer.finish()
+        self.requests.pop(request.request_id, None)  # and with it its detokenizer and generator
         output = self._output(request, new_token_ids, text)
         output.finished = True
         output.finish_reason = request.finish_reason

@@ -1,15 +1,21 @@
-"""Turns one scheduler step into a flattened forward pass and returns the logits to sample from.
+"""The model runner: owns the model and its paged KV cache, and runs one scheduled step at a time.
 
-The runner owns the paged KV cache tensors (one ``(key_cache, value_cache)`` pair per layer) and
-builds the step's batch: ``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``,
-``seq_lens``, ``query_start_loc``, with numpy vector ops (no per-token Python loops). Logits are
-computed only for requests whose scheduled chunk reaches their last token (a finished prefill or
-a decode); a partial prefill chunk samples nothing.
+``ModelRunner.load`` does everything between a config and a runnable model, as nano-vllm's runner
+does: the device, the dtype, the attention backend, loading the weights, sizing the KV cache
+(``num_kv_blocks``, else ``kv_cache_memory_mb``, else from free memory) and allocating it (one
+``(key_cache, value_cache)`` pair per layer). The engine only learns the block count.
+
+A step: the runner builds the flattened batch (``input_ids``, ``positions``, ``slot_mapping``,
+``block_tables``, ``seq_lens``, ``query_start_loc``) with numpy vector ops (no per-token Python
+loops), runs the forward, and computes logits only for requests whose scheduled chunk reaches
+their last token (a finished prefill or a decode); a partial prefill chunk samples nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Protocol
@@ -18,7 +24,10 @@ import numpy as np
 import torch
 
 from backend.attention.base import AttentionMetadata
-from backend.models.llama import get_head_size, get_num_kv_heads
+from backend.config import CacheConfig, ConfigError, ModelConfig
+from backend.models.shape import ModelShape, ceil_div
+
+logger = logging.getLogger(__name__)
 
 
 class ScheduledLike(Protocol):
@@ -31,11 +40,9 @@ class ScheduledLike(Protocol):
 
 
 def allocate_kv_caches(
-    num_layers: int,
+    shape: ModelShape,
     num_blocks: int,
     block_size: int,
-    num_kv_heads: int,
-    head_size: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -43,18 +50,40 @@ def allocate_kv_caches(
 
     Zeros matter: padded block-table entries point at block 0 and masked keys must stay finite.
     """
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    size = (num_blocks, block_size, shape.num_kv_heads, shape.head_size)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
+        (torch.zeros(size, dtype=dtype, device=device), torch.zeros(size, dtype=dtype, device=device))
+        for _ in range(shape.num_layers)
     ]
 
 
-def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values (for sizing num_kv_blocks)."""
-    element_size = torch.tensor([], dtype=dtype).element_size()
-    per_layer = 2 * block_size * get_num_kv_heads(hf_config) * get_head_size(hf_config) * element_size
-    return per_layer * hf_config.num_hidden_layers
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("parameter 'device': cuda requested but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def size_kv_cache(cache: CacheConfig, bytes_per_block: int, device: torch.device, max_num_seqs: int,
+                  max_model_len: int) -> int:
+    """num_kv_blocks, else kv_cache_memory_mb, else automatic (GPU: 85% of free; CPU: up to 2 GiB)."""
+    if cache.num_kv_blocks:
+        return cache.num_kv_blocks
+    if cache.kv_cache_memory_mb:
+        budget = cache.kv_cache_memory_mb * 2**20
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * 0.85)
+    else:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(2 * 2**30, available // 4)
+    # More blocks than every sequence at full length can use would only waste memory.
+    useful = max_num_seqs * ceil_div(max_model_len, cache.block_size) + 1
+    num_blocks = min(budget // bytes_per_block, useful)
+    if num_blocks < 2:
+        raise ConfigError("parameter 'kv_cache_memory_mb': too small for one KV block")
+    return int(num_blocks)
 
 
 _ALLOCATOR_TUNED = False
@@ -82,28 +111,62 @@ def tune_cpu_allocator() -> None:
 
 
 class ModelRunner:
-    """Runs the model over the paged KV cache for one scheduled step at a time."""
+    """Runs the model over its paged KV cache for one scheduled step at a time."""
 
-    def __init__(
-        self,
-        model,
-        hf_config,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: 2 x [num_blocks, block_size, num_kv_heads, head_size]
-        block_size: int,
-        device,
-        attention_backend=None,
-    ):
-        """``attention_backend``, when given, replaces the model's (every layer uses it)."""
+    def __init__(self, model, num_kv_blocks: int, block_size: int, attention_backend=None):
+        """Binds ``model`` (a loaded LlamaForCausalLM) to a new zeroed KV cache of ``num_kv_blocks``.
+
+        ``attention_backend``, when given, replaces the model's (every layer uses it).
+        """
         if attention_backend is not None:
             model.set_attention_backend(attention_backend)
+        parameter = next(model.parameters())
         self.model = model
-        self.hf_config = hf_config
-        self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.device = torch.device(device)
-        self.vocab_size = hf_config.vocab_size
+        self.shape: ModelShape = model.shape
+        self.device, self.dtype = parameter.device, parameter.dtype
+        self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
+        self.kv_caches = allocate_kv_caches(self.shape, num_kv_blocks, block_size, self.dtype, self.device)
+        self.vocab_size = self.shape.vocab_size
         if self.device.type == "cpu":
             tune_cpu_allocator()
+
+    @classmethod
+    def load(cls, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int) -> ModelRunner:
+        """Device, dtype, attention backend, weights, KV sizing and allocation from the config.
+
+        Raises ConfigError naming the parameter when the model cannot be served as configured.
+        """
+        from backend.attention.selector import get_attention_backend  # noqa: PLC0415
+        from backend.models.loader import ModelLoadError, load_config, load_model, resolve_dtype  # noqa: PLC0415
+
+        device = resolve_device(model_config.device)
+        if not os.path.isdir(model_config.model_dir):
+            raise ConfigError(f"parameter 'model_dir': {model_config.model_dir} is not a folder")
+        try:
+            hf_config = load_config(model_config.model_dir, model_config.max_model_len)
+        except ModelLoadError as exc:
+            raise ConfigError(f"parameter 'model_dir': {exc}") from None
+        dtype = resolve_dtype(model_config.dtype, hf_config, device)
+        try:
+            attention_backend = get_attention_backend(
+                model_config.attention_backend, device, ModelShape.of(hf_config).head_size, dtype)
+        except (ValueError, RuntimeError) as exc:
+            raise ConfigError(str(exc)) from None
+        model, _ = load_model(model_config.model_dir, dtype, device, attention_backend, model_config.max_model_len)
+        bytes_per_block = model.shape.kv_cache_bytes_per_block(cache_config.block_size, dtype)
+        num_blocks = size_kv_cache(cache_config, bytes_per_block, device, max_num_seqs, model_config.max_model_len)
+        runner = cls(model, num_blocks, cache_config.block_size)
+        logger.info("model runner ready: device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens", device, dtype,
+                    getattr(attention_backend, "name", "?"), num_blocks, cache_config.block_size)
+        return runner
+
+    @property
+    def hf_config(self):
+        return self.model.config
+
+    @property
+    def attention_backend(self):
+        return self.model.attn_backend
 
     def prepare(self, scheduled: Sequence[ScheduledLike]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         """Builds (input_ids, positions, metadata, sample_rows, sample_indices) for one step.
@@ -121,7 +184,7 @@ class ModelRunner:
         num_tokens = int(query_start_loc[-1])
 
         token_ids: list[int] = []
-        blocks_needed = (seq_lens + bs - 1) // bs
+        blocks_needed = ceil_div(seq_lens, bs)
         block_tables = np.zeros((num_seqs, int(blocks_needed.max())), dtype=np.int32)  # padded with the null block
         sample_rows: list[int] = []
         sample_indices: list[int] = []

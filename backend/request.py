@@ -116,7 +116,13 @@ class SamplingParams:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One generation request as the engine tracks it."""
+    """One generation request and everything the engine keeps for it.
+
+    The engine's per-request state lives here and nowhere else: its tokens and progress, its
+    detokenizer, its seeded sampling generator, its block hashes for the prefix cache. Finishing a
+    request drops it, and all of that with it; only its KV blocks (the KV manager's block table)
+    are freed explicitly, by the scheduler.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -126,7 +132,7 @@ class Request:
 
     all_token_ids: list[int] = field(init=False)  # prompt + output, appended as tokens are sampled
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1: not yet scheduled
+    num_cached_tokens: int = 0  # prefix-cache hit when first scheduled (later preemptions keep it)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -136,6 +142,10 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     output_logprob_ranks: list[int] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    detokenizer: object | None = None  # backend.detokenizer.IncrementalDetokenizer, set by the engine
+    generator: object | None = None  # torch.Generator of a seeded request, made by the sampler on first use
+    block_hashes: list = field(default_factory=list)  # chained hashes of full blocks (tokens never change)
+    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache (0 again after a free)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

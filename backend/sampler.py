@@ -19,7 +19,7 @@ Processing order for each row (the same as vLLM v1):
 Sampling uses the exponential race (equivalent to the Gumbel-max trick): the token is
 ``argmax(probs / q)`` with ``q = -log(U) ~ Exponential(1)`` i.i.d. over the vocabulary. Each step
 draws exactly one vocab-sized ``U`` per row. A seeded request draws its ``q`` from its own
-``torch.Generator`` (seeded from ``sampling_params.seed`` on first use, kept until ``free``), so
+``torch.Generator`` (seeded from ``sampling_params.seed`` on first use, kept on the request), so
 its tokens do not depend on the other rows or its row position; unseeded rows share the
 sampler's engine generator.
 
@@ -77,22 +77,16 @@ def _min_tokens_stop_ids(request: Request) -> list[int]:
 
 
 class Sampler:
-    """Samples one token per logits row; holds the per-request generators of seeded requests.
+    """Samples one token per logits row; seeded requests carry their own generators.
 
-    Not thread-safe: call it from the engine thread only. Call ``free(request_id)`` when a
-    request finishes or is aborted so its generator is dropped.
+    Not thread-safe: call it from the engine thread only.
     """
 
     def __init__(self, seed: int | None = None) -> None:
         self._seed = seed  # engine generator seed; None: nondeterministic
         self._engine_generators: dict[torch.device, torch.Generator] = {}
-        self._request_generators: dict[str, torch.Generator] = {}
 
     # ------------------------------------------------------------------ generators
-
-    def free(self, request_id: str) -> None:
-        """Drops the request's generator (no-op if it has none)."""
-        self._request_generators.pop(request_id, None)
 
     def _engine_generator(self, device: torch.device) -> torch.Generator:
         gen = self._engine_generators.get(device)
@@ -106,12 +100,11 @@ class Sampler:
         return gen
 
     def _request_generator(self, request: Request, device: torch.device) -> torch.Generator:
-        gen = self._request_generators.get(request.request_id)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(request.sampling_params.seed)
-            self._request_generators[request.request_id] = gen
-        return gen
+        """The seeded request's own generator, kept on the request (it goes when the request goes)."""
+        if request.generator is None:
+            request.generator = torch.Generator(device=device)
+            request.generator.manual_seed(request.sampling_params.seed)
+        return request.generator
 
     # ------------------------------------------------------------------ sampling
 

@@ -233,9 +233,8 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
+            if request.first_scheduled_time is None:  # first scheduling, not a resumed preemption
                 request.num_cached_tokens = num_hit_tokens
-            if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             scheduled.append(
                 ScheduledRequest(

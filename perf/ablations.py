@@ -403,8 +403,6 @@ def chat_like_lengths(rng: random.Random, n: int, size: dict) -> list[tuple[int,
 
 def ablation_paged_kv(model_folder: str, vocab: int, size: dict, seed: int) -> dict:
     """Concurrent requests in a K-block pool: paging (measured) vs max_model_len reservation (computed)."""
-    from backend.model_runner import kv_cache_bytes_per_block
-
     rng = random.Random(seed)
     lengths = chat_like_lengths(rng, size["num_requests"], size)
     workload = [{"prompt": [1] + random_tokens(rng, p - 1, vocab), "max_tokens": o} for p, o in lengths]
@@ -413,7 +411,8 @@ def ablation_paged_kv(model_folder: str, vocab: int, size: dict, seed: int) -> d
                  "max_num_seqs": str(max(256, size["num_requests"])), "enable_prefix_caching": "false"}
     engine = make_engine(model_folder, overrides)
     block_size = engine.config.cache.block_size
-    bytes_per_block = kv_cache_bytes_per_block(engine.hf_config, block_size, engine.dtype)
+    runner = engine.model_runner
+    bytes_per_block = runner.shape.kv_cache_bytes_per_block(block_size, runner.dtype)
     saturated = []  # num_running in steps where requests still waited for room
 
     def on_step(eng, running):

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
 
     def prompt() -> list[int]:
-        return [1] + [rng.randrange(3, engine.hf_config.vocab_size) for _ in range(args.prompt_len - 1)]
+        return [1] + [rng.randrange(3, engine.vocab_size) for _ in range(args.prompt_len - 1)]
 
     long_enough = SamplingParams(max_tokens=10 * args.steps + 64, ignore_eos=True)
     for index in range(args.batch):

@@ -29,7 +29,7 @@ def run_in_process(num_requests: int, input_len: int, output_len: int, seed: int
 
     engine = LLMEngine(engine_config_from_model_folder(str(REPO_ROOT / "model_repository" / "llm")))
     rng = random.Random(seed)
-    vocab = engine.hf_config.vocab_size
+    vocab = engine.vocab_size
     prompts = [[1] + [rng.randrange(3, vocab) for _ in range(input_len - 1)] for _ in range(num_requests)]
     engine.generate([prompts[0][:8]], [SamplingParams(max_tokens=2, ignore_eos=True)])  # warm-up
     start = time.perf_counter()

@@ -1,7 +1,8 @@
 """Per-request KV cache bookkeeping on top of the block pool: prefix hits, slot allocation, freeing.
 
 Each request owns a block table (``req_to_blocks[request_id]``): block i holds the KV of tokens
-``i * block_size .. (i + 1) * block_size - 1`` of ``request.all_token_ids``. With prefix caching,
+``i * block_size .. (i + 1) * block_size - 1`` of ``request.all_token_ids``. The request itself
+carries its block hashes and how many of its blocks were offered to the cache (as in vLLM v1). With prefix caching,
 the table starts with blocks shared with earlier requests (a hit), and every block that becomes
 full of known tokens is hashed (chained to its parent's hash) and registered for later requests.
 
@@ -16,11 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from backend.kv_cache.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from backend.models.shape import ceil_div
 from backend.request import Request
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -33,10 +31,6 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # Hashes of the request's full blocks, computed once (tokens never change once known).
-        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
-        # How many leading blocks of the request were already considered for caching.
-        self.num_cached_block: dict[str, int] = {}
 
     # ----- counters -----------------------------------------------------------------------------
     @property
@@ -65,7 +59,7 @@ class KVCacheManager:
     # ----- hashing ------------------------------------------------------------------------------
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """The request's block hashes, extended to at least ``num_full_blocks`` entries."""
-        hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
+        hashes = request.block_hashes
         token_ids, size = request.all_token_ids, self.block_size
         for i in range(len(hashes), num_full_blocks):
             parent = hashes[i - 1] if i else None
@@ -115,7 +109,7 @@ class KVCacheManager:
         if new_computed_blocks and (req_blocks or request.num_computed_tokens):
             raise ValueError(f"request {request_id}: a prefix hit must start an empty block table")
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required_blocks = _cdiv(num_computed + num_new_tokens, self.block_size)
+        num_required_blocks = ceil_div(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(num_required_blocks - len(req_blocks) - len(new_computed_blocks), 0)
         # Free cached blocks the hit takes back leave the free queue: they are not available.
         num_hit_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
@@ -135,8 +129,7 @@ class KVCacheManager:
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_full: int) -> None:
-        request_id = request.request_id
-        start = self.num_cached_block.get(request_id, 0)
+        start = request.num_cached_blocks
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)
@@ -152,15 +145,13 @@ class KVCacheManager:
             self.block_pool.cache_full_block(
                 block, hashes[i - 1] if i else None, token_ids[i * size : (i + 1) * size], hashes[i]
             )
-        self.num_cached_block[request_id] = num_full
+        request.num_cached_blocks = num_full
 
     # ----- freeing ------------------------------------------------------------------------------
     def free(self, request: Request) -> None:
         """Frees the request's blocks, tail first (so its prefix stays cached longest)."""
-        request_id = request.request_id
-        blocks = self.req_to_blocks.pop(request_id, [])
-        self.req_to_block_hashes.pop(request_id, None)
-        self.num_cached_block.pop(request_id, None)
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        request.num_cached_blocks = 0  # its hashes stay: they depend on its tokens alone
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -17,16 +17,7 @@ from torch import nn
 from backend.attention.base import AttentionBackend, AttentionMetadata
 from backend.models.cpu_linear import Linear, packed_linear, prepack_weight
 from backend.models.rope import RotaryEmbedding, get_rope_parameters
-
-
-def get_head_size(hf_config) -> int:
-    """``head_dim`` when the config sets it, else hidden_size / num_attention_heads."""
-    head_dim = getattr(hf_config, "head_dim", None)
-    return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def get_num_kv_heads(hf_config) -> int:
-    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+from backend.models.shape import ModelShape
 
 
 class RMSNorm(nn.Module):
@@ -57,11 +48,9 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend, qkv_bias: bool, o_bias: bool):
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = get_num_kv_heads(hf_config)
-        self.head_size = get_head_size(hf_config)
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
+        shape = ModelShape.of(hf_config)
+        self.num_heads, self.num_kv_heads, self.head_size = shape.num_heads, shape.num_kv_heads, shape.head_size
+        self.q_size, self.kv_size = shape.q_size, shape.kv_size
         self.scale = self.head_size**-0.5
         self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
@@ -154,6 +143,7 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         self.config = hf_config
+        self.shape = ModelShape.of(hf_config)
         self.attn_backend = attn_backend
         self.model = LlamaModel(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -168,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         """Builds the cos/sin cache (derived state, never in a checkpoint)."""
         max_pos = getattr(self.config, "max_position_embeddings", None) or initial_len
         self.rotary = RotaryEmbedding(
-            get_rope_parameters(self.config), get_head_size(self.config), dtype, device,
+            get_rope_parameters(self.config), self.shape.head_size, dtype, device,
             initial_len=min(initial_len, max_pos),
         )
 
@@ -213,9 +203,3 @@ class LlamaForCausalLM(nn.Module):
             return packed_linear(hidden, self.logits_packed, None).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 
-
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, **kwargs):
-    """Loads a checkpoint folder; see :func:`backend.models.loader.load_model` (re-exported here)."""
-    from backend.models.loader import load_model as _load_model  # loader imports this module
-
-    return _load_model(model_dir, dtype, device, **kwargs)

@@ -19,8 +19,9 @@ from transformers import AutoConfig, PretrainedConfig
 
 from backend.attention.base import AttentionBackend
 from backend.models.cpu_linear import probe_packing
-from backend.models.llama import LlamaForCausalLM, get_head_size, get_num_kv_heads
+from backend.models.llama import LlamaForCausalLM
 from backend.models.rope import get_rope_parameters
+from backend.models.shape import ModelShape
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def check_config(hf_config: PretrainedConfig, max_model_len: int | None = None) 
         get_rope_parameters(hf_config)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    if hf_config.num_attention_heads % get_num_kv_heads(hf_config):
+    if hf_config.num_attention_heads % ModelShape.of(hf_config).num_kv_heads:
         raise ModelLoadError("num_attention_heads must be a multiple of num_key_value_heads")
     _check_sliding_window(hf_config, max_model_len)
 
@@ -183,10 +184,9 @@ def load_model(
         base = name.rsplit(".", 2)[-2]
         pending[name] = 3 if base == "qkv_proj" else 2 if base == "gate_up_proj" else 1
 
-    num_heads, num_kv_heads = hf_config.num_attention_heads, get_num_kv_heads(hf_config)
-    head_size = get_head_size(hf_config)
-    qkv_sizes = (num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size)
-    inter = hf_config.intermediate_size
+    shape = model.shape
+    qkv_sizes = (shape.q_size, shape.kv_size, shape.kv_size)
+    inter = shape.intermediate_size
 
     for path in files:
         with safe_open(path, framework="pt") as f:

@@ -61,7 +61,7 @@ def greedy(model_dir: str, attention_backend: str, dtype: str) -> list[list[int]
         }
     )
     engine = LLMEngine(config)
-    assert engine.attention_backend.name == attention_backend
+    assert engine.model_runner.attention_backend.name == attention_backend
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     results = engine.generate(prompts(), params)
     return [r.output_token_ids for r in results]

@@ -42,7 +42,7 @@ def test_out_of_vocabulary_stop_token_ids_are_refused_at_the_door(demo_model_dir
     from backend.engine import EngineInputError
 
     engine = _engine()
-    vocab = engine.hf_config.vocab_size
+    vocab = engine.vocab_size
     for bad in (99999999, 2**70, vocab, -1):
         params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[5, bad])
         with pytest.raises(EngineInputError, match=r"^stop_token_ids: .* not a token id"):

@@ -11,9 +11,8 @@ import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from backend.model_runner import ModelRunner, allocate_kv_caches
+from backend.model_runner import ModelRunner
 from backend.models import ModelLoadError, load_model
-from backend.models.llama import get_head_size, get_num_kv_heads
 from backend.models.loader import load_config
 from backend.models.rope import compute_inv_freq, get_rope_parameters
 from backend.request import Request, SamplingParams
@@ -46,11 +45,8 @@ def test_prompt_logits_match_transformers(name, block_size, prepack):
     path, _ = get_random_model(name)
     model, hf_config = load_model(path, torch.float32, CPU, prepack=prepack)
     atol = 2e-4 if prepack else 1e-4
-    kv_caches = allocate_kv_caches(
-        hf_config.num_hidden_layers, 80, block_size, get_num_kv_heads(hf_config), get_head_size(hf_config),
-        torch.float32, CPU,
-    )
-    runner = ModelRunner(model, hf_config, kv_caches, block_size, CPU)
+    runner = ModelRunner(model, 80, block_size)
+    kv_caches = runner.kv_caches
     prompts = _prompts(hf_config.vocab_size, [1, 2, 17, 64, 130, 200])
     scheduled, next_block = [], 1
     for i, prompt in enumerate(prompts):
@@ -73,8 +69,7 @@ def test_prompt_logits_match_transformers_on_cuda():
     path, hf_model = get_random_model("llama_gqa4")
     cuda = torch.device("cuda")
     model, hf_config = load_model(path, torch.float32, cuda)
-    kv_caches = allocate_kv_caches(hf_config.num_hidden_layers, 64, 16, 2, 32, torch.float32, cuda)
-    runner = ModelRunner(model, hf_config, kv_caches, 16, cuda)
+    runner = ModelRunner(model, 64, 16)
     prompts = _prompts(hf_config.vocab_size, [1, 33, 200])
     scheduled = [Scheduled(Request(str(i), p, SamplingParams()), len(p), 0, list(range(1 + 16 * i, 17 + 16 * i)))
                  for i, p in enumerate(prompts)]
@@ -89,8 +84,7 @@ def test_bfloat16_load_runs_and_roughly_agrees():
     path, hf_model = get_random_model("llama_gqa4")
     model, hf_config = load_model(path, torch.bfloat16, CPU)
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
-    kv_caches = allocate_kv_caches(hf_config.num_hidden_layers, 8, 16, 2, 32, torch.bfloat16, CPU)
-    runner = ModelRunner(model, hf_config, kv_caches, 16, CPU)
+    runner = ModelRunner(model, 8, 16)
     prompt = _prompts(hf_config.vocab_size, [40])[0]
     logits, rows = runner.execute([Scheduled(Request("r", prompt, SamplingParams()), 40, 0, [3, 5, 7])])
     assert rows == [0] and logits.dtype == torch.float32

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from backend.model_runner import ModelRunner, allocate_kv_caches, kv_cache_bytes_per_block
+from backend.model_runner import ModelRunner, allocate_kv_caches
 from backend.models import load_model
-from backend.models.llama import get_head_size, get_num_kv_heads
+from backend.models.shape import ModelShape
 from backend.request import Request, SamplingParams
 from tests.unit.random_models import get_random_model, reference_greedy, reference_logits
 
@@ -29,11 +29,7 @@ class Scheduled:
 def _runner(name: str, block_size: int, num_blocks: int = 256):
     path, _ = get_random_model(name)
     model, hf_config = load_model(path, torch.float32, CPU)
-    kv_caches = allocate_kv_caches(
-        hf_config.num_hidden_layers, num_blocks, block_size, get_num_kv_heads(hf_config), get_head_size(hf_config),
-        torch.float32, CPU,
-    )
-    return ModelRunner(model, hf_config, kv_caches, block_size, CPU), hf_config
+    return ModelRunner(model, num_blocks, block_size), hf_config
 
 
 def _prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -159,9 +155,11 @@ def test_execute_edge_cases():
 
 def test_kv_cache_allocation_and_size():
     _, hf_config = _runner("llama_gqa4", block_size=16, num_blocks=2)
-    caches = allocate_kv_caches(4, 10, 16, 2, 32, torch.float32, CPU)
+    shape = ModelShape.of(hf_config)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_size) == (4, 2, 32)
+    caches = allocate_kv_caches(shape, 10, 16, torch.float32, CPU)
     assert len(caches) == 4
     assert all(k.shape == v.shape == (10, 16, 2, 32) and not k.any() for k, v in caches)
     # 4 layers x (K + V) x 16 tokens x 2 kv heads x 32 head_size x 4 bytes
-    assert kv_cache_bytes_per_block(hf_config, 16, torch.float32) == 4 * 2 * 16 * 2 * 32 * 4
-    assert kv_cache_bytes_per_block(hf_config, 16, torch.bfloat16) == 4 * 2 * 16 * 2 * 32 * 2
+    assert shape.kv_cache_bytes_per_block(16, torch.float32) == 4 * 2 * 16 * 2 * 32 * 4
+    assert shape.kv_cache_bytes_per_block(16, torch.bfloat16) == 4 * 2 * 16 * 2 * 32 * 2

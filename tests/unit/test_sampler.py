@@ -120,21 +120,19 @@ def test_seeded_request_independent_of_batch_and_row() -> None:
     assert len(set(alone)) > 3  # it really samples
 
 
-def test_different_seeds_differ_and_free_restarts() -> None:
+def test_different_seeds_differ_and_a_new_request_restarts_its_stream() -> None:
     logits = torch.zeros(1, 1000)  # uniform: every draw is informative
 
-    def draw(sampler: Sampler, seed: int, steps: int = 10) -> list[int]:
-        req = make_request("s", temperature=1.0, seed=seed)
-        return [sampler(logits, [req]).token_ids[0] for _ in range(steps)]
+    def draw(sampler: Sampler, request: Request, steps: int = 10) -> list[int]:
+        return [sampler(logits, [request]).token_ids[0] for _ in range(steps)]
 
     sampler = Sampler()
-    a = draw(sampler, seed=1)
-    sampler.free("s")
-    b = draw(sampler, seed=2)
-    sampler.free("s")
+    first = make_request("s", temperature=1.0, seed=1)
+    a = draw(sampler, first)
+    b = draw(sampler, make_request("s", temperature=1.0, seed=2))
     assert a != b
-    assert draw(sampler, seed=1) == a  # free() dropped the generator: the stream restarts
-    assert draw(sampler, seed=1) != a  # not freed: the stream continues
+    assert draw(sampler, make_request("s", temperature=1.0, seed=1)) == a  # a new request: the stream restarts
+    assert draw(sampler, first) != a  # the same request: its stream continues
 
 
 def test_engine_seed_makes_unseeded_requests_reproducible() -> None:
