@@ -18,7 +18,7 @@ from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.kv_cache.manager import KVCacheManager
 from backend.model_runner import ModelRunner
-from backend.request import FinishReason, Request, RequestStatus, SamplingParams
+from backend.request import FinishReason, Request, RequestStatus, SamplingParams, SamplingParamsError
 from backend.sampler import Sampler, SamplerOutput
 from backend.scheduler import Scheduler
 
@@ -52,6 +52,24 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class StepStats:
+    """What one step did (vLLM returns scheduler statistics with every step, too)."""
+
+    num_seqs: int = 0  # requests scheduled
+    num_prefill_tokens: int = 0  # tokens of prompt chunks (and of preempted requests recomputing)
+    num_decode_tokens: int = 0  # one per request decoding its next token
+    num_preempted: int = 0  # requests preempted to make room (now waiting again)
+    num_sampled: int = 0  # requests that got a token
+    timings: dict[str, float] | None = None  # seconds per phase, when step(timings=True)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    outputs: list[RequestOutput]
+    stats: StepStats
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -73,6 +91,34 @@ class GenerationResult:
     finish_reason: FinishReason | None
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
+
+
+def step_stats(scheduler_output) -> StepStats:
+    """Token counts of a scheduled step: a decode is one new token after the prompt, the rest is prefill."""
+    stats = StepStats(num_seqs=len(scheduler_output.scheduled), num_preempted=len(scheduler_output.preempted))
+    for item in scheduler_output.scheduled:
+        request = item.request
+        if item.num_new_tokens == 1 and request.num_prompt_tokens <= item.num_computed_tokens:
+            stats.num_decode_tokens += 1
+        else:
+            stats.num_prefill_tokens += item.num_new_tokens
+    return stats
+
+
+class _PhaseClock:
+    """Seconds between laps, for step(timings=True)."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+
+    def restart(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self, timings: dict[str, float], name: str) -> dict[str, float]:
+        now = time.perf_counter()
+        timings[name] = timings.get(name, 0.0) + now - self._last
+        self._last = now
+        return timings
 
 
 def internal_error_message(exc: BaseException) -> str:
@@ -132,6 +178,25 @@ class LLMEngine:
         except Exception as exc:  # a template may raise on role orders it does not support
             raise EngineInputError(f"messages: the chat template refused them ({type(exc).__name__}: {exc})") from None
 
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """The one check of a request's sampling parameters; raises EngineInputError naming the field.
+
+        backend/triton calls it before it queues a request, add_request calls it for everyone
+        else. What depends on the prompt (its length against max_model_len and the KV pool) is
+        checked once the prompt is tokenized, by ``add_request``.
+        """
+        try:
+            params.validate()
+        except SamplingParamsError as exc:
+            raise EngineInputError(str(exc)) from None
+        if params.max_tokens >= self.max_model_len:
+            raise EngineInputError(f"max_tokens: {params.max_tokens} is above the limit {self.max_model_len - 1}")
+        bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop_ids:
+            raise EngineInputError(
+                f"stop_token_ids: {bad_stop_ids[0]} is not a token id of this model (ids are in [0, {self.vocab_size}))"
+            )
+
     def add_request(
         self,
         request_id: str,
@@ -140,46 +205,31 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
+        check: bool = True,
     ) -> Request:
         """Queues a request; raises EngineInputError naming the field when it can never run.
 
-        ``add_special_tokens`` is how the prompt text is tokenized (False for a rendered chat).
+        ``add_special_tokens`` is how the prompt text is tokenized (False for a rendered chat);
+        ``check=False`` skips ``check_sampling_params`` for a caller that made it already.
         """
         if request_id in self.requests:
             raise EngineInputError(f"request id {request_id!r} is already in use")
         params = sampling_params or SamplingParams(max_tokens=self.config.scheduler.default_max_tokens)
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise EngineInputError(str(exc)) from None
+        if check:
+            self.check_sampling_params(params)
         if prompt_token_ids is None:
             if prompt is None:
                 raise EngineInputError("text_input: a prompt is required")
             prompt_token_ids = self.tokenize(prompt, add_special_tokens)
-        if not prompt_token_ids:
-            raise EngineInputError("text_input: the prompt is empty and the tokenizer adds no BOS token")
-        vocab = self.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise EngineInputError(f"prompt token ids must be in [0, {vocab})")
-        bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stop_ids:
-            raise EngineInputError(
-                f"stop_token_ids: {bad_stop_ids[0]} is not a token id of this model (ids are in [0, {vocab}))"
-            )
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise EngineInputError(
-                f"text_input: the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
-                f"{self.max_model_len} (prompt + output)"
-            )
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise EngineInputError(
-                f"max_tokens: {params.max_tokens} plus the prompt's {len(prompt_token_ids)} tokens "
-                f"exceeds max_model_len ({self.max_model_len})"
-            )
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise EngineInputError(f"prompt token ids must be in [0, {self.vocab_size})")
         request = Request(
             request_id, list(prompt_token_ids), params, eos_token_id=self.eos_token_id,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
+        reason = self.scheduler.rejection_reason(request)
+        if reason is not None:
+            raise EngineInputError(reason)
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, stop=list(params.stop),
             skip_special_tokens=params.skip_special_tokens,
@@ -193,12 +243,10 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self.scheduler.abort_request(request_id)
-        request.status = RequestStatus.FINISHED_ABORTED
-        request.finish_reason = FinishReason.ABORT
+        self.scheduler.abort_request(request)
         return self._final_output(request, [], "")
 
-    def step_or_fail_all(self) -> list[RequestOutput]:
+    def step_or_fail_all(self, timings: bool = False) -> StepOutput:
         """``step()`` for a serving loop: a failing step ends the requests it involved instead of raising.
 
         A failure ``step()`` can pin on one request (its sampling or its stop checks) already ended
@@ -209,13 +257,14 @@ class LLMEngine:
         """
         self._step_requests = None
         try:
-            return self.step()
+            return self.step(timings)
         except Exception as exc:
             logger.exception("engine step failed")
             message = internal_error_message(exc)
             if self._step_requests is None:
-                return self.fail_all(message)
-            return self.fail_requests([r.request_id for r in self._step_requests], message)
+                return StepOutput(self.fail_all(message), StepStats())
+            failed = self.fail_requests([r.request_id for r in self._step_requests], message)
+            return StepOutput(failed, StepStats(num_seqs=len(self._step_requests)))
 
     def fail_requests(self, request_ids: list[str], message: str) -> list[RequestOutput]:
         """Ends these requests with an error (a step that failed with them in it) and forgets cached
@@ -255,22 +304,32 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- the step
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, forward, sample, detokenize, stop checks."""
+    def step(self, timings: bool = False) -> StepOutput:
+        """One iteration: schedule, forward, sample, detokenize, stop checks.
+
+        Returns the outputs and the step's statistics; ``timings`` adds seconds per phase
+        (schedule, prepare, forward, logits, sample, detokenize).
+        """
+        clock = _PhaseClock() if timings else None
         scheduler_output = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
-        for request in scheduler_output.rejected:
-            request.finish_reason = FinishReason.ERROR
-            outputs.append(self._final_output(request, [], ""))
         scheduled = scheduler_output.scheduled
+        stats = step_stats(scheduler_output)
+        if clock is not None:
+            stats.timings = clock.lap({}, "schedule")
+        outputs: list[RequestOutput] = []
         if not scheduled:
-            return outputs
+            return StepOutput(outputs, stats)
         self._step_requests = [item.request for item in scheduled]
-        logits, rows = self.model_runner.execute(scheduled)
+        logits, rows = self.model_runner.execute(scheduled, stats.timings)
+        if clock is not None:
+            clock.restart()
         if not rows:
-            return outputs
+            return StepOutput(outputs, stats)
         sampling_requests = [scheduled[i].request for i in rows]
         sampled, errors = self._sample(logits, sampling_requests)
+        if clock is not None:
+            clock.lap(stats.timings, "sample")
+        stats.num_sampled = len(rows)
         now = time.monotonic()
         for index, request in enumerate(sampling_requests):
             error = errors.get(index)
@@ -282,7 +341,9 @@ class LLMEngine:
                     logger.exception("finishing the step of %s failed", request.request_id)
                     error = internal_error_message(exc)
             outputs.extend(self.fail_requests([request.request_id], error))
-        return outputs
+        if clock is not None:
+            clock.lap(stats.timings, "detokenize")
+        return StepOutput(outputs, stats)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[SamplerOutput, dict[int, str]]:
         """The sampler over all rows; if that fails, row by row, so a bad row fails its request alone.
@@ -400,7 +461,7 @@ class LLMEngine:
             order.append(request_id)
             results[request_id] = GenerationResult(request_id, list(request.prompt_token_ids), [], "", None)
         while self.has_unfinished_requests():
-            for output in self.step():
+            for output in self.step().outputs:
                 result = results.get(output.request_id)
                 if result is None:
                     continue

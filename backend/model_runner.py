@@ -17,6 +17,7 @@ import ctypes
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -225,14 +226,29 @@ class ModelRunner:
         return input_ids, torch.from_numpy(positions).to(device), metadata, sample_rows, sample_indices
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledLike]) -> tuple[torch.Tensor, list[int]]:
-        """Runs one step. Returns (logits [num_sampling_rows, vocab] float32, indices into ``scheduled``)."""
+    def execute(self, scheduled: Sequence[ScheduledLike],
+                timings: dict[str, float] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Runs one step. Returns (logits [num_sampling_rows, vocab] float32, indices into ``scheduled``).
+
+        ``timings``, when given, gets the seconds of its phases: prepare, forward, logits.
+        """
         if not scheduled:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device), []
+        start = time.perf_counter()
         input_ids, positions, metadata, sample_rows, sample_indices = self.prepare(scheduled)
+        prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden_size]
+        if self.device.type == "cuda" and timings is not None:
+            torch.cuda.synchronize(self.device)
+        forwarded = time.perf_counter()
         if not sample_rows:
-            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device), []
-        if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device))
-        return self.model.compute_logits(hidden), sample_indices
+            logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        else:
+            if len(sample_rows) < hidden.shape[0]:
+                hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device))
+            logits = self.model.compute_logits(hidden)
+        if timings is not None:
+            timings["prepare"] = timings.get("prepare", 0.0) + prepared - start
+            timings["forward"] = timings.get("forward", 0.0) + forwarded - prepared
+            timings["logits"] = timings.get("logits", 0.0) + time.perf_counter() - forwarded
+        return logits, sample_indices

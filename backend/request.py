@@ -70,14 +70,18 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's default)
 
     def validate(self) -> None:
-        """Raises SamplingParamsError naming the first bad field."""
+        """Raises SamplingParamsError naming the first bad field.
+
+        Where Triton's input (TensorRT-LLM's name) and vLLM's key differ, the message names both
+        (``min_length/min_tokens``, ``random_seed/seed``): the same text reaches every client.
+        """
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise SamplingParamsError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.min_tokens < 0:
-            raise SamplingParamsError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise SamplingParamsError(f"min_length/min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
             raise SamplingParamsError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+                f"min_length/min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise SamplingParamsError(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -94,7 +98,7 @@ class SamplingParams:
             if not (math.isfinite(value) and -2.0 <= value <= 2.0):
                 raise SamplingParamsError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
-            raise SamplingParamsError(f"seed must be in [0, 2**64), got {self.seed}")
+            raise SamplingParamsError(f"random_seed/seed must be in [0, 2**64), got {self.seed}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingParamsError(f"logprobs: at most {MAX_TOP_LOGPROBS} top logprobs, got {self.top_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):

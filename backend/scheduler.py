@@ -12,8 +12,10 @@ waiting queue). Then waiting requests are admitted in arrival order (preempted o
 budget, sequence slots and blocks last; admission never skips ahead of a request that does not fit.
 
 No deadlock: requests that could never fit (longer than ``max_model_len``, needing more blocks
-than the pool has, or, without chunked prefill, a prompt over the budget) are rejected up front,
-so the oldest running request always fits once everything newer is preempted.
+than the pool has, or, without chunked prefill, a prompt over the budget) never get here: the
+engine refuses them at its door with ``rejection_reason`` (the one check of a request's size), and
+``add_request`` asserts it. So the oldest running request always fits once everything newer is
+preempted.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from backend.config import CacheConfig, SchedulerConfig, blocks_for_tokens
+from backend.config import CacheConfig, SchedulerConfig
 from backend.kv_cache.manager import KVCacheManager
+from backend.models.shape import ceil_div
 from backend.request import FinishReason, Request, RequestStatus
 
 
@@ -48,8 +51,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)  # this step; now waiting again
-    # Finished at once with FINISHED_ERROR and request.error set (since the previous step).
-    rejected: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -71,10 +72,8 @@ class Scheduler:
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
-        self.requests: dict[str, Request] = {}  # waiting or running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._rejected: list[Request] = []  # reported by the next schedule()
         self.num_preemptions = 0  # total since start
 
     # ----- queue state --------------------------------------------------------------------------
@@ -87,71 +86,67 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:
-        """True while requests wait or run, or rejected ones wait to be reported by schedule()."""
-        return bool(self.running or self.waiting or self._rejected)
+        """True while requests wait or run."""
+        return bool(self.running or self.waiting)
 
     # ----- admission, abort, finish -------------------------------------------------------------
-    def _rejection_reason(self, request: Request) -> str | None:
+    def rejection_reason(self, request: Request) -> str | None:
+        """Why ``request`` could never be scheduled, naming the field; None when it fits.
+
+        The engine asks this once, before it queues anything (``add_request`` only asserts it):
+        an empty prompt, prompt + max_tokens beyond max_model_len, more KV blocks than the pool
+        has, or, without chunked prefill, a prompt over the token budget.
+        """
         num_prompt = request.num_prompt_tokens
         max_tokens = request.sampling_params.max_tokens
         total = num_prompt + max_tokens
         if num_prompt == 0:
-            return "the prompt is empty"
+            return "text_input: the prompt is empty and the tokenizer adds no BOS token"
+        if num_prompt >= self.max_model_len:
+            return (f"text_input: the prompt has {num_prompt} tokens; max_model_len is {self.max_model_len} "
+                    "(prompt + output)")
         if total > self.max_model_len:
-            return (
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} tokens "
-                f"exceeds max_model_len ({self.max_model_len})"
-            )
+            return (f"max_tokens: {max_tokens} plus the prompt's {num_prompt} tokens exceeds max_model_len "
+                    f"({self.max_model_len})")
         block_size = self.kv_cache_manager.block_size
-        num_needed = blocks_for_tokens(total, block_size)
+        num_needed = ceil_div(total, block_size)
         num_usable = self.kv_cache_manager.num_blocks - 1
         if num_needed > num_usable:
-            return (
-                f"prompt + max_tokens = {total} tokens need {num_needed} KV cache blocks of "
-                f"{block_size} tokens, but the cache has only {num_usable}"
-            )
+            return (f"max_tokens: prompt + max_tokens = {total} tokens need {num_needed} KV cache blocks of "
+                    f"{block_size} tokens, but the cache has only {num_usable}")
         budget = self.scheduler_config.max_num_batched_tokens
         if not self.scheduler_config.enable_chunked_prefill and num_prompt > budget:
-            return (
-                f"prompt ({num_prompt} tokens) exceeds max_num_batched_tokens ({budget}) "
-                "and chunked prefill is disabled"
-            )
+            return (f"text_input: the prompt ({num_prompt} tokens) exceeds max_num_batched_tokens ({budget}) "
+                    "and chunked prefill is disabled")
         return None
 
     def add_request(self, request: Request) -> None:
-        """Queues a request, or finishes it at once as FINISHED_ERROR when it can never run (it
-        is then reported in the next SchedulerOutput's ``rejected``). Raises ValueError on a
-        request_id that is still waiting or running."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        reason = self._rejection_reason(request)
-        if reason is not None:
-            request.status = RequestStatus.FINISHED_ERROR
-            request.finish_reason = FinishReason.ERROR
-            request.error = reason
-            self._rejected.append(request)
-            return
+        """Queues a request the engine checked (``rejection_reason`` is None)."""
+        assert self.rejection_reason(request) is None, (request.request_id, self.rejection_reason(request))
         request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Aborts a waiting or running request (freeing its blocks); None when unknown/finished.
+    def abort_request(self, request: Request) -> bool:
+        """Aborts a waiting or running request (freeing its blocks); False when it is not here.
 
         Call it between steps, never between schedule() and running that step: a request in the
         same step may already be using blocks this one is about to write.
         """
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
+        if not self._holds(request):
+            return False
         self._finish(request, RequestStatus.FINISHED_ABORTED, FinishReason.ABORT)
-        return request
+        return True
+
+    def _holds(self, request: Request) -> bool:
+        """Whether ``request`` is running or waiting here (by identity; aborts are rare)."""
+        queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+        return any(r is request for r in queue)
 
     def finish_request(self, request: Request, status: RequestStatus, finish_reason: FinishReason) -> None:
         """The engine saw eos / a stop / the length limit: the request leaves and frees its blocks."""
         if not status.is_finished:
             raise ValueError(f"finish_request needs a finished status, got {status.name}")
-        if self.requests.get(request.request_id) is not request:
+        if not self._holds(request):
             raise ValueError(f"request {request.request_id!r} is not waiting or running")
         self._finish(request, status, finish_reason)
 
@@ -160,7 +155,6 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        del self.requests[request.request_id]
         self.kv_cache_manager.free(request)
         request.status = status
         request.finish_reason = finish_reason
@@ -180,8 +174,7 @@ class Scheduler:
         config = self.scheduler_config
         kv = self.kv_cache_manager
         token_budget = config.max_num_batched_tokens
-        output = SchedulerOutput(rejected=self._rejected)
-        self._rejected = []
+        output = SchedulerOutput()
         scheduled = output.scheduled
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.

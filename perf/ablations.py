@@ -135,15 +135,6 @@ class Sim:
         self.steps = self.num_tokens = self.peak_running = self.running_sum = 0
         self.stopped = False
         self.step_log: list[tuple[int, int, float]] = []  # (tokens, requests, seconds) per engine step
-        self._last_schedule = (0, 0)
-        schedule = engine.scheduler.schedule
-
-        def logged_schedule():
-            output = schedule()
-            self._last_schedule = (output.num_scheduled_tokens, len(output.scheduled))
-            return output
-
-        engine.scheduler.schedule = logged_schedule  # instance attribute: this engine only
 
     @property
     def done(self) -> bool:
@@ -175,11 +166,12 @@ class Sim:
         self.steps += 1
         if not engine.has_unfinished_requests():  # idle until a step-indexed arrival
             return
-        outputs = engine.step()
+        step = engine.step()
+        outputs, stats = step.outputs, step.stats
         elapsed = time.perf_counter() - started
         self.clock += elapsed
         self.cpu_clock += time.process_time() - cpu_started
-        self.step_log.append((*self._last_schedule, elapsed))
+        self.step_log.append((stats.num_prefill_tokens + stats.num_decode_tokens, stats.num_seqs, elapsed))
         running = engine.stats().num_running + sum(1 for o in outputs if o.finished)  # as scheduled
         self.peak_running = max(self.peak_running, running)
         self.running_sum += running

@@ -45,7 +45,7 @@ def run_engine(model_folder: str, workload, overrides: dict[str, str]) -> dict:
     start = time.perf_counter()
     num_tokens, steps, last_report = 0, 0, start
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             num_tokens += len(output.new_token_ids)
         steps += 1
         if time.perf_counter() - last_report > 5:

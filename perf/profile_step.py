@@ -22,7 +22,6 @@ import random
 import sys
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,26 +38,6 @@ CATEGORIES = (
     ("elementwise", ("aten::mul", "aten::add", "aten::cat", "aten::neg", "aten::sub", "aten::div", "copy_",
                      "aten::to", "contiguous", "clone")),
 )
-
-
-@contextmanager
-def timed(totals: dict[str, float], name: str):
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        totals[name] += time.perf_counter() - start
-
-
-def wrap(obj, attribute: str, totals: dict[str, float], name: str) -> None:
-    """Replaces ``obj.attribute`` by a version that adds its wall time to ``totals[name]``."""
-    original = getattr(obj, attribute)
-
-    def wrapper(*args, **kwargs):
-        with timed(totals, name):
-            return original(*args, **kwargs)
-
-    setattr(obj, attribute, wrapper)
 
 
 def category(op_name: str) -> str:
@@ -98,12 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(3):  # warm-up decode steps
         engine.step()
 
-    phases: dict[str, float] = defaultdict(float)
-    wrap(engine.scheduler, "schedule", phases, "schedule")
-    wrap(engine.model_runner, "prepare", phases, "prepare inputs")
-    wrap(engine.model_runner.model, "forward", phases, "forward (model)")
-    wrap(engine.model_runner.model, "compute_logits", phases, "logits (lm head)")
-    wrap(engine, "sampler", phases, "sample")
+    phases: dict[str, float] = defaultdict(float)  # the engine's own phase timings (step(timings=True))
     op_times: dict[str, float] = defaultdict(float)
     step_total = 0.0
     tokens = 0
@@ -113,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
             engine.add_request(f"prefill-{step}", prompt_token_ids=prompt(), sampling_params=SamplingParams(max_tokens=1))
         with torch.profiler.profile(activities=activities) as profiler:
             start = time.perf_counter()
-            outputs = engine.step()
+            step_output = engine.step(timings=True)
             step_total += time.perf_counter() - start
-        tokens += sum(len(o.new_token_ids) for o in outputs)
+        tokens += sum(len(o.new_token_ids) for o in step_output.outputs)
+        for name, seconds in step_output.stats.timings.items():
+            phases[name] += seconds
         for event in profiler.key_averages():
             if event.key.startswith(("aten::", "mkldnn::", "onednn::")) or "linear" in event.key:
                 op_times[event.key] += event.self_cpu_time_total / 1e6
@@ -126,12 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean step: {per_step_ms:.1f} ms ({tokens / step_total:.0f} tok/s while profiled; the profiler adds overhead)\n")
     print("| phase | ms per step | share |\n| --- | ---: | ---: |")
     accounted = 0.0
-    for name in ("schedule", "prepare inputs", "forward (model)", "logits (lm head)", "sample"):
+    for name, label in (("schedule", "schedule"), ("prepare", "prepare inputs"), ("forward", "forward (model)"),
+                        ("logits", "logits (lm head)"), ("sample", "sample"),
+                        ("detokenize", "detokenize, stop checks, outputs")):
         value = phases[name] / args.steps * 1000
         accounted += value
-        print(f"| {name} | {value:.2f} | {value / per_step_ms:.0%} |")
+        print(f"| {label} | {value:.2f} | {value / per_step_ms:.0%} |")
     rest = per_step_ms - accounted
-    print(f"| rest of step (bookkeeping, detokenize, outputs) | {rest:.2f} | {rest / per_step_ms:.0%} |\n")
+    print(f"| rest of step | {rest:.2f} | {rest / per_step_ms:.0%} |\n")
 
     by_category: dict[str, float] = defaultdict(float)
     for name, seconds in op_times.items():

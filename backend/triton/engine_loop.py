@@ -144,7 +144,7 @@ class EngineLoop:
                     if output is not None:
                         outputs.append(output)
                 if self.engine.has_unfinished_requests():
-                    outputs.extend(self.engine.step_or_fail_all())
+                    outputs.extend(self.engine.step_or_fail_all().outputs)
                 stats = self.engine.stats()
                 with self._cond:
                     self._num_waiting = stats.num_waiting
@@ -159,6 +159,7 @@ class EngineLoop:
             self.engine.add_request(
                 request.request_id, prompt=request.prompt, sampling_params=request.sampling_params,
                 arrival_time=request.arrival_time, add_special_tokens=request.add_special_tokens,
+                check=False,  # backend/triton made the engine's check before queueing
             )
             return None
         except EngineInputError as exc:

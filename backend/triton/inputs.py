@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.request import SamplingParams, SamplingParamsError
+from backend.request import SamplingParams
 
 
 class InputError(ValueError):
@@ -158,16 +158,18 @@ def _as_bool(name: str, value, text_ok: bool = False) -> bool:
 def parse_request(
     get_input: GetInput,
     default_max_tokens: int,
-    max_tokens_limit: int,
+    check: Callable[[SamplingParams], None],
     max_prompt_bytes: int | None = None,
 ) -> ParsedRequest:
     """Reads the DESIGN.md tensors of one request; raises InputError naming the bad field.
 
-    Nothing else escapes: whatever a hostile request holds, the caller gets an InputError or a
-    ParsedRequest (an unexpected failure becomes an InputError naming the request).
+    The values are read here; whether they are valid is the engine's one check
+    (``LLMEngine.check_sampling_params``, passed as ``check``), whose message becomes the
+    InputError's as it is. Nothing else escapes: whatever a hostile request holds, the caller gets
+    an InputError or a ParsedRequest (an unexpected failure becomes an InputError naming the request).
     """
     try:
-        return _parse_request(get_input, default_max_tokens, max_tokens_limit, max_prompt_bytes)
+        return _parse_request(get_input, default_max_tokens, check, max_prompt_bytes)
     except InputError:
         raise
     except RecursionError:
@@ -176,7 +178,7 @@ def parse_request(
         raise InputError(f"request: could not be read ({type(exc).__name__}: {exc})") from None
 
 
-def _parse_request(get_input: GetInput, default_max_tokens: int, max_tokens_limit: int,
+def _parse_request(get_input: GetInput, default_max_tokens: int, check: Callable[[SamplingParams], None],
                    max_prompt_bytes: int | None) -> ParsedRequest:
     prompt, messages = _prompt_or_messages(get_input, max_prompt_bytes)
 
@@ -224,18 +226,11 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, max_tokens_limi
         values["logprobs"] = True
 
     values.setdefault("max_tokens", default_max_tokens)
-    if values["max_tokens"] > max_tokens_limit:
-        raise InputError(f"max_tokens: {values['max_tokens']} is above the limit {max_tokens_limit}")
     params = SamplingParams(**values)
     try:
-        params.validate()
-    except SamplingParamsError as exc:
-        message = str(exc)
-        if message.startswith("min_tokens"):
-            message = "min_length" + message[len("min_tokens"):]
-        elif message.startswith("seed"):
-            message = "random_seed" + message[len("seed"):]
-        raise InputError(message) from None
+        check(params)
+    except ValueError as exc:  # EngineInputError or SamplingParamsError: the message names the field
+        raise InputError(str(exc)) from None
     return ParsedRequest(prompt, params, bool(options["stream"]), bool(options["exclude_input_in_output"]),
                          messages, returns)
 

@@ -81,13 +81,12 @@ class IterativeDriver:
     """The per-execute() logic, with Triton's pb_utils and the engine passed in (unit-testable)."""
 
     def __init__(self, pb, engine, model_name: str, max_queue_len: int, default_max_tokens: int,
-                 max_tokens_limit: int, metrics=None, max_prompt_bytes: int | None = None):
+                 metrics=None, max_prompt_bytes: int | None = None):
         self.pb = pb
         self.engine = engine
         self.model_name = model_name
         self.max_queue_len = max_queue_len
         self.default_max_tokens = default_max_tokens
-        self.max_tokens_limit = max_tokens_limit
         self.max_prompt_bytes = max_prompt_bytes
         self.metrics = metrics
         self.sequences: dict[object, Sequence] = {}  # correlation id -> sequence
@@ -152,7 +151,7 @@ class IterativeDriver:
                     self._collect(output, now)
         self._abort_abandoned(present, now)
         if self.engine.has_unfinished_requests():
-            for output in self.engine.step_or_fail_all():
+            for output in self.engine.step_or_fail_all().outputs:
                 self._collect(output, time.monotonic())
         for correlation_id, (request, sender) in present.items():
             sequence = self.sequences[correlation_id]
@@ -195,7 +194,8 @@ class IterativeDriver:
             return None if tensor is None else tensor.as_numpy()
 
         try:
-            parsed = parse_request(get_input, self.default_max_tokens, self.max_tokens_limit, self.max_prompt_bytes)
+            parsed = parse_request(get_input, self.default_max_tokens, self.engine.check_sampling_params,
+                                   self.max_prompt_bytes)
         except InputError as exc:
             send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
             return None
@@ -210,7 +210,7 @@ class IterativeDriver:
             if parsed.messages is not None:
                 prompt, add_special_tokens = self.engine.render_chat(parsed.messages), False
             self.engine.add_request(request_id, prompt=prompt, sampling_params=parsed.sampling_params,
-                                    arrival_time=now, add_special_tokens=add_special_tokens)
+                                    arrival_time=now, add_special_tokens=add_special_tokens, check=False)
         except EngineInputError as exc:
             send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
             return None
@@ -337,8 +337,7 @@ class TritonPythonModel:
         self.metrics = TritonMetrics(pb_utils, model_name)
         self.driver = IterativeDriver(
             pb_utils, LLMEngine(config), model_name, config.scheduler.max_queue_len,
-            config.scheduler.default_max_tokens, config.model.max_model_len - 1, self.metrics,
-            config.model.prompt_byte_limit,
+            config.scheduler.default_max_tokens, self.metrics, config.model.prompt_byte_limit,
         )
         self.watcher = CancelWatcher(self.driver)
         self.watcher.start()

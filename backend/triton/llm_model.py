@@ -131,7 +131,7 @@ class TritonPythonModel:
 
         try:
             parsed = parse_request(get_input, self.config.scheduler.default_max_tokens,
-                                   self.config.model.max_model_len - 1, self.config.model.prompt_byte_limit)
+                                   self.engine.check_sampling_params, self.config.model.prompt_byte_limit)
         except InputError as exc:
             self._send_error(sender, str(exc), pb.TritonError.INVALID_ARG)
             return

@@ -64,7 +64,7 @@ def run_engine_in_process(
             if not in_flight:  # open loop, engine idle: wait for the next arrival
                 time.sleep(max(0.0, start + offsets[pending[0]] - time.monotonic()))
                 continue
-            outputs = engine.step()
+            outputs = engine.step().outputs
             steps += 1
             now = time.monotonic()
             for output in outputs:

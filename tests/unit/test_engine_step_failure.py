@@ -13,13 +13,13 @@ def test_step_or_fail_all_ends_every_request_with_the_error_and_keeps_serving(de
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     for index in range(3):
         engine.add_request(f"r{index}", prompt_token_ids=[1, 10 + index, 20, 30], sampling_params=params)
-    assert engine.step_or_fail_all()  # a healthy step: tokens, no error
+    assert engine.step_or_fail_all().outputs  # a healthy step: tokens, no error
 
-    def broken_step():
+    def broken_step(timings=False):
         raise RuntimeError("boom in the forward pass")
 
     engine.step = broken_step
-    outputs = engine.step_or_fail_all()
+    outputs = engine.step_or_fail_all().outputs
     assert sorted(o.request_id for o in outputs) == ["r0", "r1", "r2"]
     for output in outputs:
         assert output.finished and output.finish_reason is FinishReason.ERROR
@@ -70,7 +70,7 @@ def test_a_row_the_sampler_cannot_handle_fails_only_its_own_request(demo_model_d
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
     finals = {}
     while engine.has_unfinished_requests():
-        for output in engine.step_or_fail_all():
+        for output in engine.step_or_fail_all().outputs:
             tokens[output.request_id].extend(output.new_token_ids)
             if output.finished:
                 finals[output.request_id] = output
@@ -91,18 +91,18 @@ def test_a_failed_forward_fails_the_requests_of_that_step_and_spares_the_waiting
         engine.add_request(f"r{index}", prompt_token_ids=prompt, sampling_params=params)
     runner_execute = engine.model_runner.execute
 
-    def fail_once(scheduled):
+    def fail_once(scheduled, timings=None):
         engine.model_runner.execute = runner_execute
         raise RuntimeError("device fault")
 
     engine.model_runner.execute = fail_once
-    outputs = engine.step_or_fail_all()
+    outputs = engine.step_or_fail_all().outputs
     assert sorted(o.request_id for o in outputs) == ["r0", "r1"]
     assert all(o.finish_reason is FinishReason.ERROR and "device fault" in o.error for o in outputs)
     assert engine.kv_cache_manager.usage == 0.0  # r0 and r1 freed everything they held
     tokens = []
     while engine.has_unfinished_requests():
-        for output in engine.step_or_fail_all():
+        for output in engine.step_or_fail_all().outputs:
             assert output.request_id == "r2" and output.error is None
             tokens.extend(output.new_token_ids)
     assert tokens == expected

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from backend.engine import RequestOutput
+from backend.engine import RequestOutput, StepOutput, StepStats
 from backend.request import FinishReason
 from backend.triton.iterative_model import IterativeDriver
 
@@ -77,8 +77,11 @@ class FakeEngine:
         self.added, self.aborted, self.script = [], [], []
         self.num_waiting = 0
 
-    def add_request(self, request_id, prompt, sampling_params, arrival_time, add_special_tokens=True):
+    def add_request(self, request_id, prompt, sampling_params, arrival_time, add_special_tokens=True, check=True):
         self.added.append(request_id)
+
+    def check_sampling_params(self, params):
+        params.validate()
 
     def abort_request(self, request_id):
         self.aborted.append(request_id)
@@ -91,7 +94,7 @@ class FakeEngine:
         return self.script.pop(0) if self.script else []
 
     def step_or_fail_all(self):
-        return self.step()
+        return StepOutput(self.step(), StepStats())
 
     def fail_all(self, message):
         return []
@@ -99,7 +102,7 @@ class FakeEngine:
 
 def make_driver():
     engine = FakeEngine()
-    return IterativeDriver(make_pb(), engine, "m", max_queue_len=8, default_max_tokens=4, max_tokens_limit=100), engine
+    return IterativeDriver(make_pb(), engine, "m", max_queue_len=8, default_max_tokens=4), engine
 
 
 def texts(sender):

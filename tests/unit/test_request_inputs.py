@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from backend.engine import LLMEngine
 from backend.triton.inputs import InputError, parse_request
 
 
@@ -26,8 +29,13 @@ def tensors(**values):
     return arrays.get
 
 
+# The engine's one check, on an engine of max_model_len 1001 and a 50,000-token vocabulary (the
+# method needs nothing else of the engine).
+CHECK = functools.partial(LLMEngine.check_sampling_params, SimpleNamespace(max_model_len=1001, vocab_size=50000))
+
+
 def parse(**values):
-    return parse_request(tensors(**values), default_max_tokens=32, max_tokens_limit=1000)
+    return parse_request(tensors(**values), default_max_tokens=32, check=CHECK)
 
 
 def test_defaults_and_single_inputs():
@@ -102,9 +110,9 @@ def test_hostile_values_get_an_input_error_naming_the_field(values, message):
 
 def test_prompt_bytes_are_capped_before_decoding():
     get = tensors(text_input="ab" * 600)
-    assert parse_request(get, 32, 1000, max_prompt_bytes=1200).prompt == "ab" * 600
+    assert parse_request(get, 32, CHECK, max_prompt_bytes=1200).prompt == "ab" * 600
     with pytest.raises(InputError, match=r"^text_input: 1202 bytes; the limit is 1200"):
-        parse_request(tensors(text_input="ab" * 601), 32, 1000, max_prompt_bytes=1200)
+        parse_request(tensors(text_input="ab" * 601), 32, CHECK, max_prompt_bytes=1200)
 
 
 def test_a_reader_bug_becomes_an_input_error_not_an_exception():
@@ -116,11 +124,11 @@ def test_a_reader_bug_becomes_an_input_error_not_an_exception():
         return None
 
     with pytest.raises(InputError, match=r"^request: could not be read \(MemoryError: cannot map the tensor\)"):
-        parse_request(get_input, 32, 1000)
+        parse_request(get_input, 32, CHECK)
 
 
 def parse_tensors(**arrays):
-    return parse_request(lambda name: arrays.get(name), default_max_tokens=32, max_tokens_limit=1000)
+    return parse_request(lambda name: arrays.get(name), default_max_tokens=32, check=CHECK)
 
 
 def text_tensor(text: str):

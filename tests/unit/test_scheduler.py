@@ -118,7 +118,7 @@ def test_no_chunking_waits_in_arrival_order():
     assert plan(out) == [("a", 1)] and [r.request_id for r in scheduler.waiting] == ["b", "c"]
 
 
-def test_rejections_reported_once():
+def test_requests_that_can_never_fit_are_named_by_the_one_check():
     scheduler = make_scheduler(
         num_blocks=5, block_size=4, max_num_batched_tokens=8, chunked=False, max_model_len=20
     )
@@ -127,24 +127,14 @@ def test_rejections_reported_once():
     over_budget = make_request("budget", 9, max_tokens=1)  # no chunked prefill, 9 > 8
     empty = make_request("empty", 0)
     fine = make_request("fine", 8, max_tokens=8)  # 16 tokens -> exactly 4 blocks
-    for request in (too_long, too_big, over_budget, empty, fine):
-        scheduler.add_request(request)
-    assert scheduler.num_waiting == 1 and scheduler.has_unfinished_requests()
-    out = scheduler.schedule()
-    assert [r.request_id for r in out.rejected] == ["long", "big", "budget", "empty"]
-    for request in out.rejected:
-        assert request.status == RequestStatus.FINISHED_ERROR and request.finish_reason == FinishReason.ERROR
-    assert "max_model_len" in too_long.error and "blocks" in too_big.error
-    assert "max_num_batched_tokens" in over_budget.error and "empty" in empty.error
-    assert plan(out) == [("fine", 8)] and fine.error is None
-    assert scheduler.schedule().rejected == []
-
-
-def test_duplicate_request_id_raises():
-    scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", 4))
-    with pytest.raises(ValueError):
-        scheduler.add_request(make_request("a", 4))
+    reasons = {r.request_id: scheduler.rejection_reason(r) for r in (too_long, too_big, over_budget, empty, fine)}
+    assert "max_model_len" in reasons["long"] and "blocks" in reasons["big"]
+    assert "max_num_batched_tokens" in reasons["budget"] and "empty" in reasons["empty"]
+    assert reasons["fine"] is None
+    with pytest.raises(AssertionError):  # the engine checks first; the scheduler only asserts
+        scheduler.add_request(too_long)
+    scheduler.add_request(fine)
+    assert scheduler.num_waiting == 1 and plan(scheduler.schedule()) == [("fine", 8)]
 
 
 def test_preempt_newest_to_waiting_front():
@@ -206,10 +196,11 @@ def test_abort_and_finish_free_blocks():
     scheduler.add_request(a)
     scheduler.add_request(b)
     scheduler.schedule()
-    scheduler.add_request(make_request("c", 4))
-    assert scheduler.abort_request("c").status == RequestStatus.FINISHED_ABORTED
-    assert scheduler.abort_request("a") is a and a.finish_reason == FinishReason.ABORT
-    assert scheduler.abort_request("a") is None and scheduler.abort_request("zzz") is None
+    c = make_request("c", 4)
+    scheduler.add_request(c)
+    assert scheduler.abort_request(c) and c.status == RequestStatus.FINISHED_ABORTED
+    assert scheduler.abort_request(a) and a.finish_reason == FinishReason.ABORT
+    assert not scheduler.abort_request(a) and not scheduler.abort_request(make_request("zzz", 4))
     assert scheduler.num_running == 1 and scheduler.num_waiting == 0
     scheduler.finish_request(b, RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
     assert b.status == RequestStatus.FINISHED_STOPPED and not scheduler.has_unfinished_requests()
@@ -229,14 +220,20 @@ def run_engine(scheduler, requests, arrivals=None, max_steps=20_000):
     finished = []
     for step in range(max_steps):
         while pending and arrivals[len(requests) - len(pending)] <= step:
-            scheduler.add_request(pending.pop(0))
+            request = pending.pop(0)
+            reason = scheduler.rejection_reason(request)  # the engine's door
+            if reason is None:
+                scheduler.add_request(request)
+            else:
+                request.status, request.finish_reason, request.error = (
+                    RequestStatus.FINISHED_ERROR, FinishReason.ERROR, reason)
+                finished.append(request)
         if not pending and not scheduler.has_unfinished_requests():
             return finished
         out = scheduler.schedule()
         assert out.num_scheduled_tokens == sum(item.num_new_tokens for item in out.scheduled)
         assert out.num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(out.scheduled) <= config.max_num_seqs and scheduler.num_running <= config.max_num_seqs
-        finished.extend(out.rejected)
         if not config.enable_chunked_prefill:  # only a resumed request may be cut (see scheduler)
             assert all(item.is_last_chunk for item in out.scheduled if item.request.num_preemptions == 0)
         # Write the step's KV first (as the attention backends do), then check the reads.
