@@ -15,7 +15,8 @@ The engine schedules all its requests, not only the ones in this batch (with the
 Triton may hold some back): outputs of absent sequences are buffered until they come back.
 The engine step runs on one dedicated thread, execute() waits for it: measured here, torch on the
 stub's main thread (2 intra-op threads, cores shared) took 180-380 ms per decode step against 21 ms
-on a worker thread, the thread the `llm` model's engine loop runs on too.
+on a worker thread, the thread the `llm` model's engine loop runs on too. Responses follow the
+same rules as `llm`'s (backend/triton/response_state.py), flushed once per execute().
 Traps measured on Triton 2.51 (DESIGN.md): null requests (correlation id 0) fill empty slots of
 the `direct` strategy and are skipped; rescheduling only works before execute() returns; Triton's
 own success counters count iterations, so request-level metrics come from here.
@@ -23,20 +24,15 @@ own success counters count iterations, so request-level metrics come from here.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
-from backend.config import ConfigError, parse_engine_config
 from backend.engine import EngineInputError, RequestOutput
+from backend.triton.helpers import input_getter, load_llm_config, send_error, set_utf8_locale
 from backend.triton.inputs import InputError, parse_request
-from backend.triton.llm_model import GLUE_PARAMETERS, model_parameters, set_utf8_locale
-from backend.triton.metrics import record_finish, record_tokens
-from backend.triton.responder import build_response
+from backend.triton.response_state import ResponseState
 
 logger = logging.getLogger(__name__)
 
@@ -48,37 +44,24 @@ CANCEL_POLL_SECONDS = 0.1
 
 @dataclass(slots=True)
 class Sequence:
-    """One client request across its iterations: what is still to be sent, and its timing."""
+    """One client request across its iterations: its response state and where it was last seen."""
 
-    request_id: str  # the engine's id
-    stream: bool
-    exclude_input_in_output: bool
-    prompt: str
-    arrival_time: float
-    text_parts: list[str] = field(default_factory=list)  # produced but not sent yet
-    token_ids: list[int] = field(default_factory=list)  # produced but not sent yet
-    prompt_token_ids: list[int] | None = None
-    final: RequestOutput | None = None  # set when the engine ended the request
-    prompt_sent: bool = False
-    cancelled: bool = False
-    first_token_time: float | None = None
-    last_token_time: float | None = None
+    state: ResponseState
     last_seen: float = 0.0
     last_request: object = None
     last_sender: object = None
 
-
-def send_error(pb, sender, message: str, code=None) -> None:
-    """An error response that also closes the request (FINAL)."""
-    try:
-        error = pb.TritonError(message) if code is None else pb.TritonError(message, code)
-    except TypeError:  # older stubs take no code
-        error = pb.TritonError(message)
-    sender.send(pb.InferenceResponse(output_tensors=[], error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
 
 
 class IterativeDriver:
-    """The per-execute() logic, with Triton's pb_utils and the engine passed in (unit-testable)."""
+    """The per-execute() logic, with Triton's pb_utils and the engine passed in (unit-testable).
+
+    Every method runs on the one thread that owns the engine (the model's worker thread), the
+    cancellation reaper included: no lock.
+    """
 
     def __init__(self, pb, engine, model_name: str, max_queue_len: int, default_max_tokens: int,
                  metrics=None, max_prompt_bytes: int | None = None):
@@ -91,38 +74,9 @@ class IterativeDriver:
         self.metrics = metrics
         self.sequences: dict[object, Sequence] = {}  # correlation id -> sequence
         self._by_request_id: dict[str, object] = {}  # engine request id -> correlation id
-        # execute() and the cancellation watcher both touch the engine and the sequences.
-        self.lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------
     def execute(self, requests) -> None:
-        with self.lock:
-            self._execute(requests)
-
-    def reap_cancelled(self) -> int:
-        """Aborts sequences whose client cancelled; returns how many.
-
-        Measured on Triton 2.51: a cancelled sequence is dropped from the sequence batcher and never
-        handed to execute() again, so without this its engine request would run to max_tokens and
-        hold its KV blocks. Called by a watcher thread between iterations.
-        """
-        with self.lock:
-            candidates = [(c, s) for c, s in self.sequences.items() if s.final is None and not s.cancelled]
-        cancelled = [(c, s) for c, s in candidates if _is_cancelled(s.last_request, s.last_sender)]
-        if not cancelled:
-            return 0
-        with self.lock:
-            for correlation_id, sequence in cancelled:
-                if self.sequences.get(correlation_id) is sequence:
-                    self.engine.abort_request(sequence.request_id)
-                    if self.metrics is not None:
-                        self.metrics.success["abort"].increment(1)
-                    self._forget(correlation_id)
-            if self.metrics is not None:
-                self.metrics.update_engine_stats(self.engine.stats())
-        return len(cancelled)
-
-    def _execute(self, requests) -> None:
         now = time.monotonic()
         present: dict[object, tuple[object, object]] = {}  # correlation id -> (request, sender)
         for request in requests:
@@ -136,16 +90,18 @@ class IterativeDriver:
                     sequence = self._admit(request, sender, correlation_id, now)
                 except Exception as exc:  # one request's failure must not fail the batch (see llm_model)
                     logger.exception("admitting a sequence failed")
-                    with contextlib.suppress(Exception):
+                    try:
                         send_error(self.pb, sender, f"internal error while reading the request: {exc}")
+                    except Exception:
+                        logger.exception("sending an error response failed")
                     continue
                 if sequence is None:
                     continue  # refused: error + FINAL sent, not rescheduled
             sequence.last_seen = now
             sequence.last_request, sequence.last_sender = request, sender
             present[correlation_id] = (request, sender)
-            if not sequence.cancelled and sequence.final is None and _is_cancelled(request, sender):
-                sequence.cancelled = True
+            if not sequence.state.cancelled and sequence.state.final is None and _is_cancelled(request, sender):
+                sequence.state.cancelled = True
                 output = self.engine.abort_request(sequence.request_id)
                 if output is not None:
                     self._collect(output, now)
@@ -156,26 +112,39 @@ class IterativeDriver:
         for correlation_id, (request, sender) in present.items():
             sequence = self.sequences[correlation_id]
             try:
-                self._flush(sequence, sender)
+                done = sequence.state.flush(self.pb, sender)
             except Exception:
                 logger.exception("sending a response for %s failed", sequence.request_id)
-                if sequence.final is None:  # cannot reach the client: stop generating for it
-                    output = self.engine.abort_request(sequence.request_id)
-                    sequence.final = output
-                sequence.cancelled = True
-            if sequence.final is not None:
+                if sequence.state.final is None:  # cannot reach the client: stop generating for it
+                    self.engine.abort_request(sequence.request_id)
+                done = True
+            if done:
                 self._forget(correlation_id)
             else:
                 request.set_release_flags(self.pb.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
         if self.metrics is not None:
             self.metrics.update_engine_stats(self.engine.stats())
 
+    def reap_cancelled(self) -> int:
+        """Aborts sequences whose client cancelled; returns how many.
+
+        Measured on Triton 2.51: a cancelled sequence is dropped from the sequence batcher and never
+        handed to execute() again, so without this its engine request would run to max_tokens and
+        hold its KV blocks. The watcher hands this to the engine's thread between iterations.
+        """
+        cancelled = [(c, s) for c, s in list(self.sequences.items())
+                     if s.state.final is None and not s.state.cancelled and _is_cancelled(s.last_request, s.last_sender)]
+        for correlation_id, sequence in cancelled:
+            self.engine.abort_request(sequence.request_id)
+            if self.metrics is not None:
+                self.metrics.success["abort"].increment(1)
+            self._forget(correlation_id)
+        if cancelled and self.metrics is not None:
+            self.metrics.update_engine_stats(self.engine.stats())
+        return len(cancelled)
+
     def fail_all(self, message: str) -> None:
         """Unload: every live sequence gets an error and its FINAL flag where its sender still works."""
-        with self.lock:
-            self._fail_all(message)
-
-    def _fail_all(self, message: str) -> None:
         self.engine.fail_all(message)
         for correlation_id, sequence in list(self.sequences.items()):
             try:
@@ -188,14 +157,9 @@ class IterativeDriver:
     # ------------------------------------------------------------------------------------------
     def _admit(self, request, sender, correlation_id, now: float) -> Sequence | None:
         pb = self.pb
-
-        def get_input(name):
-            tensor = pb.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
-
         try:
-            parsed = parse_request(get_input, self.default_max_tokens, self.engine.check_sampling_params,
-                                   self.max_prompt_bytes)
+            parsed = parse_request(input_getter(pb, request), self.default_max_tokens,
+                                   self.engine.check_sampling_params, self.max_prompt_bytes)
         except InputError as exc:
             send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
             return None
@@ -218,53 +182,19 @@ class IterativeDriver:
             logger.exception("adding request %s failed", request_id)
             send_error(pb, sender, f"internal error while adding the request: {exc}")
             return None
-        sequence = Sequence(request_id, parsed.stream, parsed.exclude_input_in_output, prompt, now)
+        state = ResponseState(request_id, parsed.stream, parsed.exclude_input_in_output, prompt, now,
+                              returns=parsed.returns, wants_logprobs=parsed.sampling_params.logprobs)
+        sequence = Sequence(state)
         self.sequences[correlation_id] = sequence
         self._by_request_id[request_id] = correlation_id
         return sequence
 
     def _collect(self, output: RequestOutput, now: float) -> None:
-        """Buffers one engine output on its sequence until that sequence is in a batch."""
+        """Keeps one engine output on its sequence until that sequence is in a batch."""
         correlation_id = self._by_request_id.get(output.request_id)
         sequence = None if correlation_id is None else self.sequences.get(correlation_id)
-        if sequence is None or sequence.final is not None:
-            return
-        if output.prompt_token_ids is not None:
-            sequence.prompt_token_ids = output.prompt_token_ids
-        if output.new_token_ids and not sequence.cancelled:
-            record_tokens(sequence, output, now, self.metrics)
-        sequence.text_parts.append(output.text)
-        sequence.token_ids.extend(output.new_token_ids)
-        if output.finished:
-            sequence.final = output
-            record_finish(sequence, output, now, self.metrics)
-
-    def _flush(self, sequence: Sequence, sender) -> None:
-        """At most one response for this sequence in this iteration: its pending text, FINAL if done."""
-        pb = self.pb
-        final = sequence.final
-        flag = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if sequence.cancelled:
-            if final is not None:
-                sender.send(flags=flag)  # the client is gone: just close the stream
-            return
-        if final is not None and final.error is not None:
-            send_error(pb, sender, final.error)
-            return
-        if final is None and not (sequence.stream and sequence.token_ids):
-            return  # nothing new (or non-streaming): no response this iteration
-        text, token_ids = "".join(sequence.text_parts), sequence.token_ids
-        sequence.text_parts, sequence.token_ids = [], []
-        if not sequence.exclude_input_in_output and not sequence.prompt_sent:
-            sequence.prompt_sent = True  # the first response carries the prompt too
-            text = sequence.prompt + text
-            token_ids = list(sequence.prompt_token_ids or []) + token_ids
-        if final is None:
-            sender.send(build_response(pb, text, token_ids))
-            return
-        reason = final.finish_reason.value if final.finish_reason is not None else ""
-        sender.send(build_response(pb, text, token_ids, reason, final.num_prompt_tokens, final.num_output_tokens),
-                    flags=flag)
+        if sequence is not None:
+            sequence.state.collect(output, now, self.metrics)
 
     def _abort_abandoned(self, present: dict, now: float) -> None:
         for correlation_id, sequence in list(self.sequences.items()):
@@ -280,10 +210,13 @@ class IterativeDriver:
 
 
 class CancelWatcher:
-    """A daemon thread calling ``driver.reap_cancelled()`` until stopped."""
+    """A daemon thread that hands ``driver.reap_cancelled`` to the engine's thread every poll."""
 
-    def __init__(self, driver: IterativeDriver):
+    def __init__(self, driver: IterativeDriver, worker: ThreadPoolExecutor):
+        import threading  # noqa: PLC0415
+
         self.driver = driver
+        self.worker = worker
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llm-iterative-cancel", daemon=True)
 
@@ -296,11 +229,20 @@ class CancelWatcher:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        pending: Future | None = None
         while not self._stop.wait(CANCEL_POLL_SECONDS):
+            if pending is not None and not pending.done():
+                continue  # the engine's thread is busy: one reap in its queue is enough
             try:
-                self.driver.reap_cancelled()
-            except Exception:
-                logger.exception("looking for cancelled sequences failed")
+                pending = self.worker.submit(self._reap)
+            except RuntimeError:  # the worker is shutting down
+                return
+
+    def _reap(self) -> None:
+        try:
+            self.driver.reap_cancelled()
+        except Exception:
+            logger.exception("looking for cancelled sequences failed")
 
 
 def _is_cancelled(request, sender) -> bool:
@@ -325,24 +267,17 @@ class TritonPythonModel:
         from backend.engine import LLMEngine  # noqa: PLC0415
         from backend.triton.metrics import TritonMetrics  # noqa: PLC0415
 
-        model_config = json.loads(args["model_config"])
-        model_name = args.get("model_name", model_config.get("name", "llm_iterative"))
-        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
-            raise ConfigError(f"model '{model_name}': model_transaction_policy {{ decoupled: true }} is required")
-        if not model_config.get("sequence_batching", {}).get("iterative_sequence", False):
-            raise ConfigError(f"model '{model_name}': sequence_batching {{ iterative_sequence: true }} is required")
-        config = parse_engine_config(
-            model_parameters(model_config), base_dir=args["model_repository"], extra_names=GLUE_PARAMETERS
-        )
+        model_name, config, _, _ = load_llm_config(pb_utils, args, frozenset(), needs_iterative_sequence=True)
         self.metrics = TritonMetrics(pb_utils, model_name)
         self.driver = IterativeDriver(
             pb_utils, LLMEngine(config), model_name, config.scheduler.max_queue_len,
             config.scheduler.default_max_tokens, self.metrics, config.model.prompt_byte_limit,
         )
-        self.watcher = CancelWatcher(self.driver)
-        self.watcher.start()
-        # See the module docstring: the engine is much slower on the stub's main thread.
+        # See the module docstring: the engine is much slower on the stub's main thread. It is
+        # also the only thread that touches the engine (execute() and the cancellation reaper).
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-iterative-engine")
+        self.watcher = CancelWatcher(self.driver, self.worker)
+        self.watcher.start()
 
     def execute(self, requests):
         self.worker.submit(self.driver.execute, requests).result()
@@ -354,11 +289,11 @@ class TritonPythonModel:
         if watcher is not None:
             watcher.stop()
         worker = getattr(self, "worker", None)
+        driver = getattr(self, "driver", None)
+        if worker is not None and driver is not None:
+            worker.submit(driver.fail_all, "the model is being unloaded").result()
         if worker is not None:
             worker.shutdown(wait=True)
-        driver = getattr(self, "driver", None)
-        if driver is not None:
-            driver.fail_all("the model is being unloaded")
         metrics = getattr(self, "metrics", None)
         if metrics is not None:
             metrics.close()

@@ -1,19 +1,22 @@
 """The `llm` model: a decoupled Python model in front of the continuous-batching engine.
 
-execute() validates and parses each request (a bad one gets an error response naming the field,
-the others go on), hands it to the engine thread and returns None at once; the response thread
-streams results back. This follows vllm_backend's threads and TensorRT-LLM's tensor names.
+How one request flows: ``execute()`` (Triton's thread) reads and checks its tensors
+(backend/triton/inputs.py, with the engine's one check), renders chat messages, and hands it to the
+engine thread (backend/triton/engine_loop.py) together with its response state; the engine thread
+tokenizes, adds and steps it (backend/engine.py); the response thread (backend/triton/responder.py)
+sends its responses and its FINAL flag. execute() returns None at once and never raises: a bad
+request gets an error response naming the field, the others go on. This follows vllm_backend's
+threads and TensorRT-LLM's tensor names.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import locale
 import logging
 import time
 
-from backend.config import ConfigError, parse_engine_config
+from backend.config import ConfigError
+from backend.triton.helpers import input_getter, load_llm_config, send_error, set_utf8_locale
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +39,6 @@ def shutdown_grace_seconds(parameters: dict[str, str]) -> float:
     return value
 
 
-def set_utf8_locale() -> None:
-    """The stub's embedded Python defaults to ASCII text encoding whatever LANG says (measured)."""
-    for name in ("C.UTF-8", "en_US.UTF-8"):
-        try:
-            locale.setlocale(locale.LC_CTYPE, name)
-            return
-        except locale.Error:
-            continue
-
-
-def model_parameters(model_config: dict) -> dict[str, str]:
-    return {name: value.get("string_value", "") for name, value in model_config.get("parameters", {}).items()}
-
-
 class TritonPythonModel:
     """Triton's entry points; model_repository/llm/1/model.py re-exports this class."""
 
@@ -63,13 +52,7 @@ class TritonPythonModel:
         from backend.triton.responder import Responder  # noqa: PLC0415
 
         self.pb = pb_utils
-        model_config = json.loads(args["model_config"])
-        self.model_name = args.get("model_name", model_config.get("name", "llm"))
-        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
-            raise ConfigError(f"model '{self.model_name}': model_transaction_policy {{ decoupled: true }} is required")
-        # args["model_repository"] is this model's folder: relative paths resolve against it.
-        parameters = model_parameters(model_config)
-        self.config = parse_engine_config(parameters, base_dir=args["model_repository"], extra_names=GLUE_PARAMETERS)
+        self.model_name, self.config, parameters, _ = load_llm_config(pb_utils, args, GLUE_PARAMETERS)
         grace = shutdown_grace_seconds(parameters)
         self.engine = LLMEngine(self.config)
         self.metrics = TritonMetrics(pb_utils, self.model_name)
@@ -111,8 +94,11 @@ class TritonPythonModel:
             except Exception as exc:
                 logger.exception("reading a request failed")
                 if sender is not None:
-                    self._try_send_error(sender, f"internal error while reading the request: {type(exc).__name__}: {exc}",
-                                         self.pb.TritonError.INTERNAL)
+                    try:
+                        send_error(self.pb, sender, f"internal error while reading the request: "
+                                   f"{type(exc).__name__}: {exc}", self.pb.TritonError.INTERNAL)
+                    except Exception:
+                        logger.exception("sending an error response failed")
         return None
 
     def _admit(self, request, sender) -> None:
@@ -120,51 +106,27 @@ class TritonPythonModel:
         from backend.triton.engine_loop import BusyError, PendingRequest  # noqa: PLC0415
         from backend.triton.inputs import InputError, parse_request  # noqa: PLC0415
         from backend.triton.responder import ActiveRequest  # noqa: PLC0415
+        from backend.triton.response_state import ResponseState  # noqa: PLC0415
 
         pb = self.pb
         arrival_time = time.monotonic()
         request_id = f"{self.model_name}-{next(self._ids)}"
-
-        def get_input(name):
-            tensor = pb.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
-
         try:
-            parsed = parse_request(get_input, self.config.scheduler.default_max_tokens,
+            parsed = parse_request(input_getter(pb, request), self.config.scheduler.default_max_tokens,
                                    self.engine.check_sampling_params, self.config.model.prompt_byte_limit)
-        except InputError as exc:
-            self._send_error(sender, str(exc), pb.TritonError.INVALID_ARG)
-            return
-        prompt, add_special_tokens = parsed.prompt, True
-        if parsed.messages is not None:
-            try:
+            prompt, add_special_tokens = parsed.prompt, True
+            if parsed.messages is not None:
                 prompt, add_special_tokens = self.engine.render_chat(parsed.messages), False
-            except EngineInputError as exc:
-                self._send_error(sender, str(exc), pb.TritonError.INVALID_ARG)
-                return
-        active = ActiveRequest(
-            request_id, sender, parsed.stream, parsed.exclude_input_in_output, prompt, arrival_time,
-            returns=parsed.returns, wants_logprobs=parsed.sampling_params.logprobs,
-        )
+        except (InputError, EngineInputError) as exc:
+            send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
+            return
+        state = ResponseState(request_id, parsed.stream, parsed.exclude_input_in_output, prompt, arrival_time,
+                              returns=parsed.returns, wants_logprobs=parsed.sampling_params.logprobs)
         pending = PendingRequest(request_id, prompt, parsed.sampling_params, arrival_time, add_special_tokens)
         try:
-            self.loop.submit(pending, on_accept=lambda: self.responder.register(active))
+            self.loop.submit(pending, on_accept=lambda: self.responder.register(ActiveRequest(state, sender)))
         except BusyError as exc:
-            self._send_error(sender, str(exc), pb.TritonError.UNAVAILABLE)
-
-    def _try_send_error(self, sender, message: str, code) -> None:
-        try:
-            self._send_error(sender, message, code)
-        except Exception:
-            logger.exception("sending an error response failed")
-
-    def _send_error(self, sender, message: str, code) -> None:
-        pb = self.pb
-        try:
-            error = pb.TritonError(message, code)
-        except TypeError:  # older stubs take no code
-            error = pb.TritonError(message)
-        sender.send(pb.InferenceResponse(output_tensors=[], error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            send_error(pb, sender, str(exc), pb.TritonError.UNAVAILABLE)
 
     def finalize(self) -> None:
         """Stops the threads: requests in flight get an error response and their FINAL flag."""

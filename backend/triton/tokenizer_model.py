@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.triton.llm_model import model_parameters, set_utf8_locale
+from backend.triton.helpers import input_getter, make_error, model_parameters, set_utf8_locale
 
 # model_dir is accepted and ignored: repository tooling sets it on every model it copies.
 PARAMETERS = ("tokenizer_dir", "model_dir")
@@ -109,16 +109,11 @@ class TritonPythonModel:
         responses: list = [None] * len(requests)
         parsed, where = [], []
         for index, request in enumerate(requests):
-
-            def get_input(name, _request=request):
-                tensor = pb.get_input_tensor_by_name(_request, name)
-                return None if tensor is None else tensor.as_numpy()
-
             try:
-                parsed.append(parse_tokenizer_request(get_input, self.vocab_size))
+                parsed.append(parse_tokenizer_request(input_getter(pb, request), self.vocab_size))
                 where.append(index)
             except TokenizerError as exc:
-                responses[index] = pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(exc)))
+                responses[index] = pb.InferenceResponse(output_tensors=[], error=make_error(pb, str(exc)))
         for position, (kind, value) in enumerate(run_batch(self.tokenizer, parsed)):
             index = where[position]
             if kind == "encode":

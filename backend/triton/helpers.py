@@ -1,0 +1,89 @@
+"""Triton helpers that all three models use: the locale, config.pbtxt parameters, reading inputs,
+errors and the `llm` response tensors. The only place besides the model classes that knows
+Triton's Python-backend conventions (pb_utils itself is passed in, never imported here).
+"""
+
+from __future__ import annotations
+
+import json
+import locale
+from collections.abc import Callable
+
+import numpy as np
+
+from backend.config import ConfigError, EngineConfig, parse_engine_config
+
+
+def set_utf8_locale() -> None:
+    """The stub's embedded Python defaults to ASCII text encoding whatever LANG says (measured)."""
+    for name in ("C.UTF-8", "en_US.UTF-8"):
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+            return
+        except locale.Error:
+            continue
+
+
+def model_parameters(model_config: dict) -> dict[str, str]:
+    """config.pbtxt's ``parameters`` as {name: string value}."""
+    return {name: value.get("string_value", "") for name, value in model_config.get("parameters", {}).items()}
+
+
+def load_llm_config(pb, args: dict, glue_parameters: frozenset[str],
+                    needs_iterative_sequence: bool = False) -> tuple[str, EngineConfig, dict[str, str], dict]:
+    """(model name, engine config, raw parameters, model config) of an LLM model, checked.
+
+    Raises ConfigError naming what is wrong: not decoupled, no iterative sequence batcher when one
+    is needed, or a parameter (relative paths resolve against the model's folder).
+    """
+    model_config = json.loads(args["model_config"])
+    model_name = args.get("model_name", model_config.get("name", "llm"))
+    if not pb.using_decoupled_model_transaction_policy(model_config):
+        raise ConfigError(f"model '{model_name}': model_transaction_policy {{ decoupled: true }} is required")
+    if needs_iterative_sequence and not model_config.get("sequence_batching", {}).get("iterative_sequence", False):
+        raise ConfigError(f"model '{model_name}': sequence_batching {{ iterative_sequence: true }} is required")
+    parameters = model_parameters(model_config)
+    # args["model_repository"] is this model's folder: relative paths resolve against it.
+    config = parse_engine_config(parameters, base_dir=args["model_repository"], extra_names=glue_parameters)
+    return model_name, config, parameters, model_config
+
+
+def input_getter(pb, request) -> Callable[[str], np.ndarray | None]:
+    """``get(name)``: the request's input tensor as a numpy array, None when it was not sent."""
+
+    def get(name: str) -> np.ndarray | None:
+        tensor = pb.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    return get
+
+
+def make_error(pb, message: str, code=None):
+    if code is None:
+        return pb.TritonError(message)
+    try:
+        return pb.TritonError(message, code)
+    except TypeError:  # older stubs take no code
+        return pb.TritonError(message)
+
+
+def send_error(pb, sender, message: str, code=None) -> None:
+    """An error response that also closes the request (FINAL)."""
+    sender.send(pb.InferenceResponse(output_tensors=[], error=make_error(pb, message, code)),
+                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def build_response(pb, text: str, token_ids: list[int], finish_reason: str = "",
+                   num_input_tokens: int | None = None, num_output_tokens: int | None = None, extra=()):
+    """One `llm` response: text_output, output_ids, finish_reason; the token counts when given."""
+    tensors = [
+        pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+        pb.Tensor("output_ids", np.array([token_ids], dtype=np.int32).reshape(1, -1)),
+        pb.Tensor("finish_reason", np.array([[finish_reason.encode()]], dtype=np.object_)),
+    ]
+    if num_input_tokens is not None:
+        tensors.append(pb.Tensor("num_input_tokens", np.array([[num_input_tokens]], dtype=np.int32)))
+    if num_output_tokens is not None:
+        tensors.append(pb.Tensor("num_output_tokens", np.array([[num_output_tokens]], dtype=np.int32)))
+    tensors.extend(extra)
+    return pb.InferenceResponse(output_tensors=tensors)

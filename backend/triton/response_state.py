@@ -1,0 +1,95 @@
+"""What is sent back for one request until its FINAL flag, shared by `llm` and `llm_iterative`.
+
+Engine outputs are collected as they come (metrics are recorded then: TTFT, ITL, counts); a flush
+turns everything collected since the last one into at most one response. The two models differ
+only in when they flush: the `llm` responder after every output, `llm_iterative` once per
+execute(). The rules of a flush:
+
+- a cancelled request gets nothing more, then only a bare FINAL flag once the engine ended it;
+- an engine error ends the request with an error response (FINAL);
+- otherwise a response goes out when the request ended (FINAL, with everything not sent yet) or
+  when it streams and has new tokens; a non-streaming request waits for its end;
+- the first response carries the prompt too when ``exclude_input_in_output`` is false.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backend.engine import RequestOutput
+from backend.triton.helpers import build_response, send_error
+from backend.triton.inputs import ReturnOptions
+from backend.triton.metrics import TritonMetrics, record_finish, record_tokens
+from backend.triton.return_outputs import extra_tensors, finish_reason_text, logprob_entries, token_counts
+
+
+@dataclass(slots=True)
+class ResponseState:
+    request_id: str  # the engine's id
+    stream: bool
+    exclude_input_in_output: bool
+    prompt: str
+    arrival_time: float
+    returns: ReturnOptions = ReturnOptions()  # the vLLM backend's return_* flags
+    wants_logprobs: bool = False  # the request asked for logprobs (sampling_parameters)
+    pending: list[RequestOutput] = field(default_factory=list)  # collected, not sent yet
+    final: RequestOutput | None = None  # set when the engine ended the request
+    prompt_token_ids: list[int] | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    prompt_sent: bool = False
+    cancelled: bool = False
+    cumulative_logprob: float = 0.0
+
+    def collect(self, output: RequestOutput, now: float, metrics: TritonMetrics | None) -> None:
+        """Takes one engine output (in order) and records its metrics."""
+        if self.final is not None:
+            return
+        if output.prompt_token_ids is not None:
+            self.prompt_token_ids = output.prompt_token_ids
+        if output.new_token_ids and not self.cancelled:
+            record_tokens(self, output, now, metrics)
+        if output.logprobs:
+            self.cumulative_logprob += sum(output.logprobs)
+        self.pending.append(output)
+        if output.finished:
+            self.final = output
+            record_finish(self, output, now, metrics)
+
+    def flush(self, pb, sender, tokenizer=None) -> bool:
+        """Sends at most one response for what was collected (see the module docstring); returns
+        True once the FINAL flag went out (the request and its sender are then done with)."""
+        final = self.final
+        if self.cancelled:
+            if final is not None:
+                sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # the client is gone: just close
+            return final is not None
+        if final is not None and final.error is not None:
+            send_error(pb, sender, final.error)
+            return True
+        has_tokens = any(o.new_token_ids for o in self.pending)
+        if final is None and not (self.stream and has_tokens):
+            return False
+        outputs, self.pending = self.pending, []
+        response = self._response(pb, outputs, final, tokenizer)
+        if final is None:
+            sender.send(response)
+            return False
+        sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return True
+
+    def _response(self, pb, outputs: list[RequestOutput], final: RequestOutput | None, tokenizer):
+        text = "".join(o.text for o in outputs)
+        token_ids = [t for o in outputs for t in o.new_token_ids]
+        num_new_tokens = len(token_ids)
+        if not self.exclude_input_in_output and not self.prompt_sent:
+            self.prompt_sent = True  # the first response carries the prompt too
+            text = self.prompt + text
+            token_ids = list(self.prompt_token_ids or []) + token_ids
+        returns = self.returns
+        num_input, num_output = token_counts(returns, outputs[-1], num_new_tokens, final)
+        extra = ()
+        if returns.logprobs or returns.cumulative_logprob:
+            entries = logprob_entries(tokenizer, outputs) if returns.logprobs else []
+            extra = extra_tensors(pb, returns, self.wants_logprobs, self.cumulative_logprob, entries)
+        return build_response(pb, text, token_ids, finish_reason_text(returns, final), num_input, num_output, extra)
