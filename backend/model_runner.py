@@ -172,13 +172,19 @@ class ModelRunner:
     def prepare(self, scheduled: Sequence[ScheduledLike]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         """Builds (input_ids, positions, metadata, sample_rows, sample_indices) for one step.
 
-        sample_rows: the flattened row of each sampled request's last token; sample_indices: the
-        position of that request in ``scheduled``.
+        The batch lists the decodes (one new token) first, then the others, each group in
+        scheduling order. sample_rows: the flattened row of each sampled request's last token;
+        sample_indices: the position of that request in ``scheduled``.
         """
         bs = self.block_size
         num_seqs = len(scheduled)
-        num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
-        num_computed = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
+        # Decodes (one new token) first: the attention backends take them as one block of rows.
+        order = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1]
+        order += [i for i, s in enumerate(scheduled) if s.num_new_tokens != 1]
+        scheduled_in_order = [scheduled[i] for i in order]
+        num_new = np.fromiter((s.num_new_tokens for s in scheduled_in_order), dtype=np.int64, count=num_seqs)
+        num_computed = np.fromiter((s.num_computed_tokens for s in scheduled_in_order), dtype=np.int64,
+                                   count=num_seqs)
         seq_lens = num_computed + num_new
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_new, out=query_start_loc[1:])
@@ -189,7 +195,7 @@ class ModelRunner:
         block_tables = np.zeros((num_seqs, int(blocks_needed.max())), dtype=np.int32)  # padded with the null block
         sample_rows: list[int] = []
         sample_indices: list[int] = []
-        for i, item in enumerate(scheduled):
+        for i, item in enumerate(scheduled_in_order):
             start, end = int(num_computed[i]), int(seq_lens[i])
             all_ids = item.request.all_token_ids
             token_ids.extend(all_ids[start:end])
@@ -202,25 +208,16 @@ class ModelRunner:
             block_tables[i, :needed] = item.block_ids[:needed]
             if end == len(all_ids):
                 sample_rows.append(int(query_start_loc[i + 1]) - 1)
-                sample_indices.append(i)
+                sample_indices.append(order[i])
 
         seq_of_token = np.repeat(np.arange(num_seqs), num_new)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - num_computed, num_new)
         slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
 
         device = self.device
-        query_lens_list = num_new.tolist()
-        seq_lens_list = seq_lens.tolist()
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            block_tables=torch.from_numpy(block_tables).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-            max_query_len=max(query_lens_list),
-            max_seq_len=max(seq_lens_list),
-            num_decode_only=all(q == 1 for q in query_lens_list),
-            seq_lens_list=seq_lens_list,
-            query_lens_list=query_lens_list,
+        metadata = AttentionMetadata.build(
+            torch.from_numpy(slot_mapping).to(device), torch.from_numpy(block_tables).to(device),
+            seq_lens.tolist(), num_new.tolist(),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(device)
         return input_ids, torch.from_numpy(positions).to(device), metadata, sample_rows, sample_indices

@@ -1,17 +1,13 @@
 """Attention on NVIDIA GPUs with our CUDA kernels (kernels/*.cu) launched through CuPy.
 
-What runs where:
+What runs where (the order, the decodes-first batch and the prefill path are shared with the
+torch backend: backend/attention/paged.py):
   * every step: ``reshape_and_cache`` writes the new K/V into their slots (slot -1 is skipped);
   * sequences with one new token (decode): ``paged_attention_decode`` reads the paged cache
     directly, split into partitions of PARTITION_SIZE tokens and combined by
     ``paged_attention_reduce`` when the context is longer than one partition;
-  * sequences with several new tokens (prefill, chunked prefill): torch's
-    scaled_dot_product_attention over K/V gathered from the cache through the block table.
-    Prefill is compute-bound: torch's fused attention kernels (flash / memory-efficient) do that
-    work better than a hand-written kernel would, and the gather (one index_select of the
-    sequence's blocks) costs O(context) memory traffic against O(new tokens x context) compute.
-    The gathered context includes the cached prefix, so chunked prefill and prefix-cache hits
-    need nothing special; the causal mask is offset by the prefix length.
+  * sequences with several new tokens (prefill, chunked prefill): the shared torch SDPA path.
+The kernels' argument tuples are packed in one place, kernels/launch_args.py.
 
 The modules are compiled with cupy.RawModule and the options in kernels/build_options.py, one
 module per cache dtype and head size, once: when the backend is built with head_size and dtype
@@ -32,11 +28,10 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from backend.attention.base import AttentionMetadata
+from backend.attention.paged import PagedAttentionBackend
 from kernels.build_options import (
     NUM_THREADS,
     PARTITION_SIZE,
@@ -45,6 +40,7 @@ from kernels.build_options import (
     paged_attention_spec,
     reshape_and_cache_spec,
 )
+from kernels.launch_args import cache_write_args, decode_args, reduce_args
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -144,7 +140,7 @@ class _Kernels:
     cache_write: Any
 
 
-class CupyAttentionBackend:
+class CupyAttentionBackend(PagedAttentionBackend):
     """The paged-attention backend for NVIDIA GPUs (see the module docstring).
 
     ``CupyAttentionBackend(device, head_size=..., dtype=...)`` compiles the modules right away (at
@@ -164,6 +160,7 @@ class CupyAttentionBackend:
         module_factory: ModuleFactory | None = None,
         launch: Launch | None = None,
     ) -> None:
+        super().__init__()
         self.device = torch.device(device) if device is not None else None
         if module_factory is None:
             if self.device is not None and self.device.type != "cuda":
@@ -210,73 +207,23 @@ class CupyAttentionBackend:
             )
         return self._kernels[key]
 
-    # ---- the protocol ---------------------------------------------------------------------------
+    # ---- what the shared forward calls ------------------------------------------------------------
 
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        """Writes the new K/V into the cache, then attends every new query over its context."""
-        self._check_cache(query, key_cache, value_cache)
-        self.write_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
-        num_tokens = query.shape[0]
+    def write_cache(self, key, value, key_cache, value_cache, metadata: AttentionMetadata, plan) -> None:
+        self.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+
+    def decode(self, query, key_cache, value_cache, metadata: AttentionMetadata, plan, scale: float) -> torch.Tensor:
+        num_decodes = metadata.num_decodes
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        if num_tokens == 0:
-            return out
-        num_seqs = metadata.num_seqs
-        if metadata.num_decode_only or (metadata.max_query_len == 1 and num_tokens == num_seqs):
-            self.decode(
-                out,
-                query,
-                key_cache,
-                value_cache,
-                metadata.block_tables,
-                metadata.seq_lens,
-                scale,
-                metadata.max_seq_len,
-            )
-            return out
-
-        query_lens = metadata.query_lens_list
-        if query_lens is None:
-            query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).tolist()
-        seq_lens = (
-            metadata.seq_lens_list if metadata.seq_lens_list is not None else metadata.seq_lens.tolist()
+        self.decode_into(
+            out, query, key_cache, value_cache, metadata.block_tables[:num_decodes], metadata.seq_lens[:num_decodes],
+            scale, max(metadata.seq_lens_list[:num_decodes]),
         )
-        starts = [0, *np.cumsum(query_lens).tolist()]
-        decodes = [i for i, q_len in enumerate(query_lens) if q_len == 1]
-        if decodes:
-            rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=query.device)
-            seqs = torch.tensor(decodes, dtype=torch.long, device=query.device)
-            decode_out = torch.empty((len(decodes), *query.shape[1:]), dtype=query.dtype, device=query.device)
-            self.decode(
-                decode_out,
-                query.index_select(0, rows),
-                key_cache,
-                value_cache,
-                metadata.block_tables.index_select(0, seqs),
-                metadata.seq_lens.index_select(0, seqs),
-                scale,
-                max(seq_lens[i] for i in decodes),
-            )
-            out.index_copy_(0, rows, decode_out)
-        for i, q_len in enumerate(query_lens):
-            if q_len > 1:
-                s = starts[i]
-                out[s : s + q_len] = prefill_attention(
-                    query[s : s + q_len], key_cache, value_cache, metadata.block_tables[i], seq_lens[i], scale
-                )
         return out
 
     # ---- the kernels ----------------------------------------------------------------------------
 
-    def write_cache(
+    def write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
@@ -299,27 +246,11 @@ class CupyAttentionBackend:
             )
         threads = min(RESHAPE_MAX_THREADS, 32 * math.ceil(num_kv_heads * head_size / 32))
         self._launch(
-            self._get_kernels(key_cache.dtype, head_size).cache_write,
-            (num_tokens,),
-            (threads,),
-            (
-                key,
-                value,
-                key_cache,
-                value_cache,
-                slot_mapping.contiguous(),
-                np.int64(key.stride(0)),
-                np.int64(value.stride(0)),
-                np.int32(num_kv_heads),
-                np.int32(head_size),
-                np.int32(key_cache.shape[1]),
-                np.int64(key_cache.stride(0)),
-                np.int32(key_cache.stride(1)),
-                np.int32(key_cache.stride(2)),
-            ),
+            self._get_kernels(key_cache.dtype, head_size).cache_write, (num_tokens,), (threads,),
+            cache_write_args(key, value, key_cache, value_cache, slot_mapping.contiguous()),
         )
 
-    def decode(
+    def decode_into(
         self,
         out: torch.Tensor,  # [num_seqs, num_heads, head_size], written
         query: torch.Tensor,  # [num_seqs, num_heads, head_size]
@@ -357,41 +288,17 @@ class CupyAttentionBackend:
             )
             exp_sums = torch.empty_like(max_logits)
         self._launch(
-            kernels.decode,
-            (num_heads, num_seqs, num_partitions),
-            (NUM_THREADS,),
-            (
-                out,
-                tmp_out,
-                max_logits,
-                exp_sums,
-                query,
-                key_cache,
-                value_cache,
-                block_tables,
-                seq_lens,
-                np.float32(scale),
-                np.int32(num_kv_heads),
-                np.int32(key_cache.shape[1]),
-                np.int32(block_tables.stride(0)),
-                np.int64(query.stride(0)),
-                np.int32(query.stride(1)),
-                np.int64(key_cache.stride(0)),
-                np.int32(key_cache.stride(1)),
-                np.int32(key_cache.stride(2)),
-            ),
+            kernels.decode, (num_heads, num_seqs, num_partitions), (NUM_THREADS,),
+            decode_args(out, tmp_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens,
+                        scale),
         )
         if num_partitions > 1:
-            self._launch(
-                kernels.reduce,
-                (num_heads, num_seqs),
-                (NUM_THREADS,),
-                (out, tmp_out, max_logits, exp_sums, seq_lens, np.int32(num_partitions)),
-            )
+            self._launch(kernels.reduce, (num_heads, num_seqs), (NUM_THREADS,),
+                         reduce_args(out, tmp_out, max_logits, exp_sums, seq_lens, num_partitions))
 
     # ---- checks ---------------------------------------------------------------------------------
 
-    def _check_cache(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    def check_cache(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
             raise ValueError(
                 f"query and caches must share a dtype, got query {query.dtype}, cache {key_cache.dtype}"
@@ -414,33 +321,3 @@ class CupyAttentionBackend:
             self._placeholders[device] = torch.zeros(1, dtype=torch.float32, device=device)
         return self._placeholders[device]
 
-
-def prefill_attention(
-    query: torch.Tensor,  # [q_len, num_heads, head_size]: the last q_len positions of the context
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    block_table: torch.Tensor,  # [max_num_blocks_per_seq] int32
-    context_len: int,
-    scale: float,
-) -> torch.Tensor:  # [q_len, num_heads, head_size]
-    """Causal attention of a sequence's new tokens over its whole context, gathered from the cache."""
-    q_len, num_heads, _ = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    blocks = block_table[: math.ceil(context_len / block_size)].to(torch.long)
-    key = key_cache.index_select(0, blocks).flatten(0, 1)[
-        :context_len
-    ]  # [context_len, num_kv_heads, head_size]
-    value = value_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
-    q = query.transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_size]
-    k = key.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, context_len, head_size]
-    v = value.transpose(0, 1).unsqueeze(0)
-    mask = None
-    if q_len != context_len:  # a cached prefix: new token i sees positions <= context_len - q_len + i
-        positions = torch.arange(context_len - q_len, context_len, device=query.device).unsqueeze(1)
-        mask = (
-            torch.arange(context_len, device=query.device).unsqueeze(0) <= positions
-        )  # [q_len, context_len]
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_heads != num_kv_heads
-    )
-    return out[0].transpose(0, 1)

@@ -115,7 +115,7 @@ def test_block_offsets_beyond_32_bits():
     query = torch.randn((2, 16, head_size), generator=g).half()
     backend = CupyAttentionBackend(CUDA, head_size=head_size, dtype=torch.float16)
     out = torch.empty_like(query, device=CUDA)
-    backend.decode(
+    backend.decode_into(
         out, query.to(CUDA), key_cache, value_cache, block_tables.to(CUDA), seq_lens.to(CUDA), 0.0625, 40
     )
     remap = {b: i + 1 for i, b in enumerate(used)}  # reference on the CPU over just the used blocks

@@ -82,7 +82,7 @@ def test_decode_bandwidth(shape, copy_bandwidth, capsys):
     backend = CupyAttentionBackend(CUDA, head_size=head_size, dtype=dtype)
 
     def step():
-        backend.decode(
+        backend.decode_into(
             out, query, key_cache, value_cache, block_tables, seq_lens, head_size**-0.5, context_len
         )
 

@@ -7,6 +7,7 @@ shuffled (sequences own scattered, non-increasing block ids) and padded with the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -69,8 +70,11 @@ def make_batch(
 
     The cached prefix (seq_lens[i] - query_lens[i] tokens) is written into the cache; the new
     tokens' K/V are returned in key/value with their slots in metadata.slot_mapping. Every other
-    cache element is ``fill`` (NaN by default: reading one poisons the output).
+    cache element is ``fill`` (NaN by default: reading one poisons the output). The batch lists
+    the sequences with one new token first (stable), as the model runner does.
     """
+    order = sorted(range(len(seq_lens)), key=lambda i: query_lens[i] != 1)
+    seq_lens, query_lens = [seq_lens[i] for i in order], [query_lens[i] for i in order]
     g = torch.Generator().manual_seed(seed)
     tables, num_blocks = make_block_tables(seq_lens, block_size, max_blocks, g)
     shape = (num_blocks, block_size, num_kv_heads, head_size)
@@ -93,20 +97,7 @@ def make_batch(
                 )
             else:
                 slots.append(slot)
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=tables,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        num_decode_only=all(q == 1 for q in query_lens),
-        seq_lens_list=list(seq_lens),
-        query_lens_list=list(query_lens),
-    )
+    metadata = AttentionMetadata.build(torch.tensor(slots, dtype=torch.int64), tables, list(seq_lens), list(query_lens))
     return Batch(query, key, value, key_cache, value_cache, metadata, list(seq_lens), list(query_lens))
 
 
@@ -130,16 +121,9 @@ def expected_output(batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Ten
 def to_device(batch: Batch, device: torch.device | str) -> Batch:
     """A copy of ``batch`` on ``device`` (host lists stay as they are)."""
     md = batch.metadata
-    metadata = AttentionMetadata(
-        slot_mapping=md.slot_mapping.to(device),
-        block_tables=md.block_tables.to(device),
-        seq_lens=md.seq_lens.to(device),
-        query_start_loc=md.query_start_loc.to(device),
-        max_query_len=md.max_query_len,
-        max_seq_len=md.max_seq_len,
-        num_decode_only=md.num_decode_only,
-        seq_lens_list=md.seq_lens_list,
-        query_lens_list=md.query_lens_list,
+    metadata = dataclasses.replace(
+        md, slot_mapping=md.slot_mapping.to(device), block_tables=md.block_tables.to(device),
+        seq_lens=md.seq_lens.to(device), query_start_loc=md.query_start_loc.to(device),
     )
     move = [t.to(device) for t in (batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache)]
     return Batch(*move, metadata, batch.seq_lens, batch.query_lens)

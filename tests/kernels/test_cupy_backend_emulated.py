@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.attention.cupy_backend import CupyAttentionBackend, prefill_attention
+from backend.attention.cupy_backend import CupyAttentionBackend
+from backend.attention.paged import plan_prefill, prefill_attention
 from kernels.build_options import paged_attention_spec, reshape_and_cache_spec
 from tests.kernels import cases, reference
 from tests.kernels.batches import DTYPES, expected_output, make_batch
@@ -76,7 +77,7 @@ def test_forward_matches_reference(config, lens):
 
 @pytest.mark.skipif(cases.SANITIZER_RUN, reason="no kernel involved")
 @pytest.mark.parametrize(("context_len", "q_len"), [(1, 1), (20, 20), (40, 9), (33, 1)])
-def test_prefill_attention_over_gathered_context(context_len, q_len):
+def test_the_shared_prefill_path_over_its_context(context_len, q_len):
     batch = make_batch(
         [context_len],
         [q_len],
@@ -90,9 +91,9 @@ def test_prefill_attention_over_gathered_context(context_len, q_len):
     reference.write_cache(
         batch.key, batch.value, batch.key_cache, batch.value_cache, batch.metadata.slot_mapping
     )
-    out = prefill_attention(
-        batch.query, batch.key_cache, batch.value_cache, batch.metadata.block_tables[0], context_len, 0.125
-    )
+    seq = plan_prefill(batch.metadata, 0, 0, 8, torch.float32)
+    assert (seq.block_ids is None) == (q_len == context_len)  # a cached prefix is read from the cache
+    out = prefill_attention(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, seq, 3, 0.125)
     expected = reference.paged_varlen(
         batch.query,
         batch.key_cache,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from kernels.build_options import NUM_THREADS, paged_attention_spec
+from kernels.launch_args import decode_args, reduce_args
 from tests.kernels import cases, reference
 from tests.kernels.batches import DTYPES, make_batch
 from tests.kernels.conftest import emulated_module
@@ -32,32 +32,11 @@ def run_decode(module, query, key_cache, value_cache, block_tables, seq_lens, sc
     module.get_function("paged_attention_decode")(
         (num_heads, num_seqs, num_partitions),
         (NUM_THREADS,),
-        (
-            out,
-            tmp_out,
-            max_logits,
-            exp_sums,
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            np.float32(scale),
-            np.int32(key_cache.shape[2]),
-            np.int32(key_cache.shape[1]),
-            np.int32(block_tables.stride(0)),
-            np.int64(query.stride(0)),
-            np.int32(query.stride(1)),
-            np.int64(key_cache.stride(0)),
-            np.int32(key_cache.stride(1)),
-            np.int32(key_cache.stride(2)),
-        ),
+        decode_args(out, tmp_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens, scale),
     )
     if num_partitions > 1:
         module.get_function("paged_attention_reduce")(
-            (num_heads, num_seqs),
-            (NUM_THREADS,),
-            (out, tmp_out, max_logits, exp_sums, seq_lens, np.int32(num_partitions)),
+            (num_heads, num_seqs), (NUM_THREADS,), reduce_args(out, tmp_out, max_logits, exp_sums, seq_lens, num_partitions)
         )
     return out
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from kernels.build_options import RESHAPE_MAX_THREADS, reshape_and_cache_spec
+from kernels.launch_args import cache_write_args
 from tests.kernels import cases, reference
 from tests.kernels.batches import DTYPES
 from tests.kernels.conftest import emulated_module
@@ -24,23 +24,7 @@ def run_cache_write(module, key, value, key_cache, value_cache, slot_mapping) ->
     num_tokens, num_kv_heads, head_size = key.shape
     threads = min(RESHAPE_MAX_THREADS, 32 * math.ceil(num_kv_heads * head_size / 32))
     module.get_function("reshape_and_cache")(
-        (num_tokens,),
-        (threads,),
-        (
-            key,
-            value,
-            key_cache,
-            value_cache,
-            slot_mapping,
-            np.int64(key.stride(0)),
-            np.int64(value.stride(0)),
-            np.int32(num_kv_heads),
-            np.int32(head_size),
-            np.int32(key_cache.shape[1]),
-            np.int64(key_cache.stride(0)),
-            np.int32(key_cache.stride(1)),
-            np.int32(key_cache.stride(2)),
-        ),
+        (num_tokens,), (threads,), cache_write_args(key, value, key_cache, value_cache, slot_mapping)
     )
 
 

@@ -141,7 +141,7 @@ def test_prepare_builds_the_flattened_batch():
     assert md.block_tables.dtype == torch.int32 and md.slot_mapping.dtype == torch.int64
     assert md.seq_lens.tolist() == [5, 7, 3] and md.seq_lens_list == [5, 7, 3]
     assert md.query_start_loc.tolist() == [0, 1, 5, 8] and md.query_lens_list == [1, 4, 3]
-    assert (md.max_query_len, md.max_seq_len, md.num_decode_only) == (4, 7, False)
+    assert (md.max_query_len, md.max_seq_len, md.num_decodes) == (4, 7, 1)
     assert rows == [0, 7] and indices == [0, 2]
 
 

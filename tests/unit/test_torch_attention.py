@@ -35,12 +35,17 @@ def _naive_attention(
     return out
 
 
-def _run_step(seqs, ratio, block_size, seed=0, host_lists=True, shared_prefix=None, device="cpu"):
+def _run_step(seqs, ratio, block_size, seed=0, shared_prefix=None, device="cpu"):
     """Builds a paged cache holding each sequence's prefix, runs one backend step, checks it.
 
-    seqs: list of (num_computed, num_new). shared_prefix: (writer, reader) indices: the reader's
-    first blocks are the writer's blocks, filled by the writer in this same step.
+    seqs: list of (num_computed, num_new), in any order: the batch lists the decodes first, as the
+    model runner does. shared_prefix: (writer, reader) indices into ``seqs``: the reader's first
+    blocks are the writer's blocks, filled by the writer in this same step.
     """
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i][1] != 1)  # stable: decodes first
+    seqs = [seqs[i] for i in order]
+    if shared_prefix is not None:
+        shared_prefix = tuple(order.index(i) for i in shared_prefix)
     gen = torch.Generator().manual_seed(seed)
     num_heads = NUM_KV_HEADS * ratio
     blocks_per_seq = [math.ceil((c + n) / block_size) for c, n in seqs]
@@ -85,17 +90,8 @@ def _run_step(seqs, ratio, block_size, seed=0, host_lists=True, shared_prefix=No
     qsl = [0]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=block_tables,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        num_decode_only=all(n == 1 for n in query_lens),
-        seq_lens_list=seq_lens if host_lists else None,
-        query_lens_list=query_lens if host_lists else None,
-    )
+    metadata = AttentionMetadata.build(torch.tensor(slots, dtype=torch.int64), block_tables, seq_lens, query_lens)
+    assert metadata.query_start_loc.tolist() == qsl
     scale = HEAD_SIZE**-0.5
     backend = TorchAttentionBackend(device)
     if device != "cpu":
@@ -149,9 +145,8 @@ def test_mixed_step_on_cuda(ratio):
     _run_step(seqs, ratio, block_size, seed=ratio, device="cuda")
 
 
-@pytest.mark.parametrize("host_lists", [True, False])
-def test_prefill_only_step_without_host_lists(host_lists):
-    _run_step([(0, 9), (3, 6), (8, 8)], ratio=2, block_size=4, host_lists=host_lists)
+def test_prefill_only_step():
+    _run_step([(0, 9), (3, 6), (8, 8)], ratio=2, block_size=4)
 
 
 def test_prefix_blocks_written_in_the_same_step_are_visible():
@@ -164,22 +159,18 @@ def test_slot_minus_one_is_not_written():
     backend = TorchAttentionBackend("cpu")
     key_cache = torch.zeros(3, 4, NUM_KV_HEADS, HEAD_SIZE)
     value_cache = torch.zeros_like(key_cache)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor([4, -1], dtype=torch.int64),
-        block_tables=torch.tensor([[1], [2]], dtype=torch.int32),
-        seq_lens=torch.tensor([1, 1], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
-        max_query_len=1,
-        max_seq_len=1,
-        num_decode_only=True,
-        seq_lens_list=[1, 1],
-        query_lens_list=[1, 1],
-    )
+    metadata = AttentionMetadata.build(torch.tensor([4, -1], dtype=torch.int64),
+                                       torch.tensor([[1], [2]], dtype=torch.int32), [1, 1], [1, 1])
     q = torch.randn(2, 2 * NUM_KV_HEADS, HEAD_SIZE)
     k = torch.randn(2, NUM_KV_HEADS, HEAD_SIZE)
     backend.forward(q, k, k.clone(), key_cache, value_cache, metadata, 0.25)
     assert torch.equal(key_cache[1, 0], k[0])
     assert not key_cache[2].any() and not key_cache[0].any()
+
+
+def test_metadata_refuses_a_decode_after_a_prefill():
+    with pytest.raises(ValueError, match="one new token must come first"):
+        AttentionMetadata.build(torch.zeros(4, dtype=torch.int64), torch.ones(2, 1, dtype=torch.int32), [3, 5], [3, 1])
 
 
 def test_selector():

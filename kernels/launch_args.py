@@ -1,0 +1,53 @@
+"""The argument tuples of the three kernels, in the order their ``extern "C"`` signatures declare.
+
+One place packs them: the cupy backend launches with these and the kernel tests (CPU emulation)
+too, so a signature change is made here once. Strides are in elements; block offsets that can
+pass 2^31 elements (block number x block stride) go as int64 (kernels/common.cuh says why).
+Works on anything with ``.shape``/``.stride()`` (torch tensors); imports neither torch nor CuPy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def decode_args(out, tmp_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens,
+                scale: float) -> tuple:
+    """paged_attention_decode: out [num_seqs, num_heads, head_size]; tmp_out [num_seqs, num_heads,
+    num_partitions, head_size] and max_logits, exp_sums [num_seqs, num_heads, num_partitions] float32
+    (placeholders with one partition); query [num_seqs, num_heads, head_size]; caches [num_blocks,
+    block_size, num_kv_heads, head_size]; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32."""
+    return (
+        out, tmp_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens,
+        np.float32(scale),
+        np.int32(key_cache.shape[2]),  # num_kv_heads
+        np.int32(key_cache.shape[1]),  # block_size
+        np.int32(block_tables.stride(0)),
+        np.int64(query.stride(0)),
+        np.int32(query.stride(1)),
+        np.int64(key_cache.stride(0)),
+        np.int32(key_cache.stride(1)),
+        np.int32(key_cache.stride(2)),
+    )
+
+
+def reduce_args(out, tmp_out, max_logits, exp_sums, seq_lens, num_partitions: int) -> tuple:
+    """paged_attention_reduce: combines the partitions of decode_args' buffers into ``out``."""
+    return (out, tmp_out, max_logits, exp_sums, seq_lens, np.int32(num_partitions))
+
+
+def cache_write_args(key, value, key_cache, value_cache, slot_mapping) -> tuple:
+    """reshape_and_cache: key, value [num_tokens, num_kv_heads, head_size] (row-strided views are
+    fine); caches [num_blocks, block_size, num_kv_heads, head_size]; slot_mapping [num_tokens] int64."""
+    _num_tokens, num_kv_heads, head_size = key.shape
+    return (
+        key, value, key_cache, value_cache, slot_mapping,
+        np.int64(key.stride(0)),
+        np.int64(value.stride(0)),
+        np.int32(num_kv_heads),
+        np.int32(head_size),
+        np.int32(key_cache.shape[1]),
+        np.int64(key_cache.stride(0)),
+        np.int32(key_cache.stride(1)),
+        np.int32(key_cache.stride(2)),
+    )
