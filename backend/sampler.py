@@ -150,24 +150,14 @@ class Sampler:
         top_ids = torch.empty(num_rows, max_top, dtype=torch.long, device=device)
 
         if greedy_rows:
-            if len(greedy_rows) == num_rows:
-                g_logits = logits
-                g_idx = None
-            else:
-                g_idx = torch.tensor(greedy_rows, device=device)
-                g_logits = logits[g_idx]  # [num_greedy, vocab]
+            g_logits, g_idx = _select_rows(logits, greedy_rows)  # [num_greedy, vocab]
             g_tokens = g_logits.argmax(dim=-1)  # [num_greedy]
             self._scatter(token_ids, g_idx, g_tokens)
             if chosen_logprobs is not None:
                 self._logprob_details(g_logits, g_tokens, g_idx, max_top, chosen_logprobs, ranks, top_values, top_ids)
 
         if random_rows:
-            if len(random_rows) == num_rows:
-                r_logits = logits
-                r_idx = None
-            else:
-                r_idx = torch.tensor(random_rows, device=device)
-                r_logits = logits[r_idx]  # [num_random, vocab]
+            r_logits, r_idx = _select_rows(logits, random_rows)  # [num_random, vocab]
             r_requests = [requests[i] for i in random_rows]
             r_logits = self._process_random(r_logits, r_requests)
             probs = torch.softmax(r_logits, dim=-1)  # [num_random, vocab]
@@ -363,6 +353,16 @@ class Sampler:
         # U < 1 so q > 0. U == 0 would give q = inf and probs / q = 0 for an allowed token (a row
         # with one allowed token would then pick a masked one): clamp so q stays finite (<= 87.4).
         return u.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
+
+
+def _select_rows(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    rows: list[int],
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([len(rows), vocab_size], their indices; None: all rows)
+    if len(rows) == logits.shape[0]:
+        return logits, None
+    index = torch.tensor(rows, device=logits.device)
+    return logits[index], index
 
 
 _TOP_P_CANDIDATES = 256  # tokens looked at before falling back to a full sort for top-p

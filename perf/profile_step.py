@@ -60,22 +60,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from backend.config import engine_config_from_model_folder
     from backend.engine import LLMEngine
-    from backend.request import SamplingParams
+    from perf.engine_driver import EngineDriver
+    from perf.workload import random_prompt
 
     overrides = dict(item.split("=", 1) for item in args.set)
     engine = LLMEngine(engine_config_from_model_folder(args.model_folder, **overrides))
+    driver = EngineDriver(engine)
     rng = random.Random(0)
-
-    def prompt() -> list[int]:
-        return [1] + [rng.randrange(3, engine.vocab_size) for _ in range(args.prompt_len - 1)]
-
-    long_enough = SamplingParams(max_tokens=10 * args.steps + 64, ignore_eos=True)
     for index in range(args.batch):
-        engine.add_request(f"decode-{index}", prompt_token_ids=prompt(), sampling_params=long_enough)
+        driver.add(f"decode{index}", random_prompt(rng, args.prompt_len, engine.vocab_size), 10 * args.steps + 64,
+                   arrival=time.monotonic())
     while any(r.num_output_tokens == 0 for r in engine.requests.values()):  # prefill everything first
-        engine.step()
+        driver.record(driver.step().outputs, time.monotonic())
     for _ in range(3):  # warm-up decode steps
-        engine.step()
+        driver.record(driver.step().outputs, time.monotonic())
 
     phases: dict[str, float] = defaultdict(float)  # the engine's own phase timings (step(timings=True))
     op_times: dict[str, float] = defaultdict(float)
@@ -84,11 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     for step in range(args.steps):
         if args.mixed:
-            engine.add_request(f"prefill-{step}", prompt_token_ids=prompt(), sampling_params=SamplingParams(max_tokens=1))
+            driver.add(f"prefill{step}", random_prompt(rng, args.prompt_len, engine.vocab_size), 1,
+                       arrival=time.monotonic())
         with torch.profiler.profile(activities=activities) as profiler:
             start = time.perf_counter()
-            step_output = engine.step(timings=True)
+            step_output = driver.step(timings=True)
             step_total += time.perf_counter() - start
+        driver.record(step_output.outputs, time.monotonic())
         tokens += sum(len(o.new_token_ids) for o in step_output.outputs)
         for name, seconds in step_output.stats.timings.items():
             phases[name] += seconds

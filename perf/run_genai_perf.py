@@ -16,14 +16,19 @@ perf/results/genai_perf/<UTC time>/concurrency<N>/. genai-perf is found next to 
 from __future__ import annotations
 
 import argparse
-import datetime
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from perf.perf_analyzer_env import perf_analyzer_environment, perf_analyzer_problem
-from perf.served import REPO_ROOT, RESULTS_DIR, add_server_arguments, served
+from perf.served import (
+    REPO_ROOT,
+    add_load_arguments,
+    add_server_arguments,
+    parse_tool_args,
+    run_logged,
+    served,
+)
 
 
 def find_genai_perf() -> Path | None:
@@ -46,29 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m perf.run_genai_perf", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(parser)
-    parser.add_argument("--model", default="llm")
+    add_load_arguments(parser, "synthetic prompt tokens", "genai_perf")
     parser.add_argument("--concurrency", default="1,4", help="comma-separated; one genai-perf run each (default: %(default)s)")
-    parser.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens (default: %(default)s)")
-    parser.add_argument("--output-len", type=int, default=64, help="output tokens, deterministic (default: %(default)s)")
-    parser.add_argument("--num-prompts", type=int, default=100, help="distinct synthetic prompts (default: %(default)s)")
-    parser.add_argument("--tokenizer", default=str(REPO_ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--measurement-interval-ms", type=int, default=None, help="genai-perf -p (default: its 10000)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one genai-perf run may take")
-    parser.add_argument("--out-dir", default=None, help="report folder (default: perf/results/genai_perf/<UTC time>)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    args, extra = build_parser().parse_args(argv[:split]), argv[split + 1:]
-    problem = genai_perf_problem()
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out_root = Path(args.out_dir) if args.out_dir else RESULTS_DIR / "genai_perf" / stamp
+    parsed = parse_tool_args(build_parser(), argv, genai_perf_problem(), "genai_perf")
+    if isinstance(parsed, int):
+        return parsed
+    args, extra, out_root = parsed
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     worst = 0
     with served(args) as server:
@@ -89,22 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.measurement_interval_ms:
                 command += ["--measurement-interval", str(args.measurement_interval_ms)]
             command += extra
-            (artifact_dir / "command.txt").write_text(" ".join(command) + "\n")
-            print("running:", " ".join(command), flush=True)
-            with open(artifact_dir / "genai_perf.log", "w") as log:
-                # genai-perf writes relative artifacts into its working folder: run it inside ours.
-                env = {**perf_analyzer_environment(), "COLUMNS": "160"}  # its table is unreadable at 80
-                process = subprocess.Popen(command, env=env, cwd=artifact_dir,
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                try:
-                    for line in process.stdout:
-                        sys.stdout.write(line)
-                        log.write(line)
-                    code = process.wait(timeout=args.timeout)
-                finally:
-                    if process.poll() is None:
-                        process.kill()
-                        process.wait()
+            # genai-perf writes relative artifacts into its working folder: run it inside ours.
+            env = {**perf_analyzer_environment(), "COLUMNS": "160"}  # its table is unreadable at 80
+            code = run_logged(command, artifact_dir / "genai_perf.log", args.timeout, env, cwd=artifact_dir)
             print(f"genai-perf (concurrency {concurrency}) exited with {code}; reports in {artifact_dir}", flush=True)
             worst = worst or code
     return worst

@@ -15,9 +15,7 @@ read with client.bench's TTFT/ITL/TPOT definitions) and its console log.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +24,13 @@ import numpy as np
 from client.bench.prompts import PromptBuilder
 from perf.perf_analyzer_env import find_perf_analyzer, perf_analyzer_environment, perf_analyzer_problem
 from perf.profile_export_stats import summarize_export
-from perf.served import REPO_ROOT, RESULTS_DIR, add_server_arguments, served
+from perf.served import (
+    add_load_arguments,
+    add_server_arguments,
+    parse_tool_args,
+    run_logged,
+    served,
+)
 
 
 def write_input_data(path: Path, tokenizer_dir: str, num_prompts: int, input_len: int, output_len: int,
@@ -46,32 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m perf.run_perf_analyzer", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(parser)
-    parser.add_argument("--model", default="llm")
+    add_load_arguments(parser, "prompt tokens", "perf_analyzer")
     parser.add_argument("--concurrency-range", default="1:8:1", help="start:end:step (default: %(default)s)")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: %(default)s)")
-    parser.add_argument("--output-len", type=int, default=64, help="output tokens, forced (default: %(default)s)")
-    parser.add_argument("--num-prompts", type=int, default=100, help="distinct prompts (default: %(default)s)")
-    parser.add_argument("--tokenizer", default=str(REPO_ROOT / "models" / "smollm2-135m-instruct"))
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--measurement-request-count", type=int, default=None,
                         help="count windows of this many requests instead of 5 s time windows")
     parser.add_argument("--stability-percentage", type=float, default=None, help="perf_analyzer -s (default: its 10)")
     parser.add_argument("--max-trials", type=int, default=None, help="perf_analyzer -r (default: its 10)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds perf_analyzer may run")
-    parser.add_argument("--out-dir", default=None, help="report folder (default: perf/results/perf_analyzer/<UTC time>)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = build_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    problem = perf_analyzer_problem()
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR / "perf_analyzer" / stamp
+    parsed = parse_tool_args(build_parser(), argv, perf_analyzer_problem(), "perf_analyzer")
+    if isinstance(parsed, int):
+        return parsed
+    args, extra, out_dir = parsed
     out_dir.mkdir(parents=True, exist_ok=True)
     input_data = out_dir / "input_data.json"
     write_input_data(input_data, args.tokenizer, args.num_prompts, args.input_len, args.output_len, args.seed)
@@ -89,20 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_trials is not None:
             command += ["-r", str(args.max_trials)]
         command += extra
-        (out_dir / "command.txt").write_text(" ".join(command) + "\n")
-        print("running:", " ".join(command), flush=True)
-        with open(out_dir / "perf_analyzer.log", "w") as log:
-            process = subprocess.Popen(command, env=perf_analyzer_environment(), stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
-            try:
-                for line in process.stdout:  # echo and keep the console report
-                    sys.stdout.write(line)
-                    log.write(line)
-                code = process.wait(timeout=args.timeout)
-            finally:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
+        code = run_logged(command, out_dir / "perf_analyzer.log", args.timeout, perf_analyzer_environment())
     export = out_dir / "profile_export.json"
     if code == 0 and export.exists():  # the same run read with client.bench's definitions
         rows = summarize_export(export)

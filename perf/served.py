@@ -1,13 +1,18 @@
-"""A server to benchmark: an existing one (--url), or tritonserver started on free ports and always stopped.
+"""What the tool runners (perf_analyzer, genai-perf) share: the server to benchmark (an existing one
+with --url, or tritonserver started on free ports and always stopped), the load options, the
+report folder, and running the tool with its console echoed and logged.
 
-Every perf script takes the same two options, so a run against `make serve` and a self-contained
-run differ only in ``--url``.
+Every perf script takes the same server options, so a run against `make serve` and a
+self-contained run differ only in ``--url``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +37,58 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-url", default=None, help="its HTTP address (default: the gRPC host, port 8000)")
     parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY),
                         help="what a started server serves (default: %(default)s)")
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, input_help: str, results_name: str) -> None:
+    """--model, --input-len, --output-len, --num-prompts, --tokenizer, --seed, --timeout, --out-dir."""
+    parser.add_argument("--model", default="llm")
+    parser.add_argument("--input-len", type=int, default=128, help=f"{input_help} (default: %(default)s)")
+    parser.add_argument("--output-len", type=int, default=64, help="output tokens, forced (default: %(default)s)")
+    parser.add_argument("--num-prompts", type=int, default=100, help="distinct prompts (default: %(default)s)")
+    parser.add_argument("--tokenizer", default=str(REPO_ROOT / "models" / "smollm2-135m-instruct"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one tool run may take")
+    parser.add_argument("--out-dir", default=None, help=f"report folder (default: perf/results/{results_name}/<UTC time>)")
+
+
+def parse_tool_args(parser: argparse.ArgumentParser, argv: list[str] | None, problem: str | None,
+                    results_name: str) -> tuple[argparse.Namespace, list[str], Path] | int:
+    """(our arguments, the tool's extra arguments after ``--``, the report folder), or the exit
+    status to return: 2 with the reason printed when the tool cannot run here (``problem``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    try:
+        args = parser.parse_args(argv[:split])
+    except SystemExit as exit_:  # --help, or bad arguments
+        return int(exit_.code or 0)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return args, argv[split + 1:], report_dir(args, results_name)
+
+
+def report_dir(args: argparse.Namespace, results_name: str) -> Path:
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    return Path(args.out_dir) if args.out_dir else RESULTS_DIR / results_name / stamp
+
+
+def run_logged(command: list[str], log_path: Path, timeout: float, env: dict[str, str],
+               cwd: Path | None = None) -> int:
+    """Runs a tool, echoing its console and keeping it in ``log_path``; killed after ``timeout``."""
+    (log_path.parent / "command.txt").write_text(" ".join(command) + "\n")
+    print("running:", " ".join(command), flush=True)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
+        try:
+            for line in process.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            return process.wait(timeout=timeout)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The attention backend protocol and the per-step metadata every backend reads.
+"""The per-step metadata every attention backend reads (the backends: backend/attention/paged.py).
 
 KV cache layout (one pair per layer, shared by all backends and the CUDA kernels):
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
@@ -9,7 +9,6 @@ A token's slot is ``block_id * block_size + offset``; slot -1 means "do not writ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -65,21 +64,3 @@ class AttentionMetadata:
     @property
     def decode_only(self) -> bool:
         return self.num_decodes == self.num_seqs
-
-
-class AttentionBackend(Protocol):
-    """Writes this step's K/V into the paged cache and attends the new queries over the context."""
-
-    name: str
-
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        ...

@@ -56,38 +56,27 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class PagedAttentionBackend:
-    """The AttentionBackend protocol's forward; subclasses give write_cache and decode."""
+    """What every attention backend is (the models type it as AttentionBackend): forward() here;
+    subclasses give write_cache and decode."""
 
     name = "paged"
 
     def __init__(self) -> None:
         self._plan: StepPlan | None = None
 
-    # ---- what a backend provides ------------------------------------------------------------------
+    # ---- what a backend provides (tensor shapes as in forward below) ------------------------------
     def plan_step(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> Any:
         """The backend's own per-step plan (index tensors, masks), built once a step; None by default."""
         return None
 
-    def write_cache(
-        self,
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        metadata: AttentionMetadata,
-        plan: Any,
-    ) -> None:
+    def write_cache(self, key, value, key_cache, value_cache, metadata: AttentionMetadata, plan: Any) -> None:
+        """Writes this step's key/value rows into their slots (``metadata.slot_mapping``, -1 skipped)."""
         raise NotImplementedError
 
-    def decode(
-        self,
-        query: torch.Tensor,  # [num_decodes, num_heads, head_size]
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        metadata: AttentionMetadata,
-        plan: Any,
-        scale: float,
-    ) -> torch.Tensor:  # [num_decodes, num_heads, head_size]
+    def decode(self, query, key_cache, value_cache, metadata: AttentionMetadata, plan: Any,
+               scale: float) -> torch.Tensor:
+        """Attention of the decode rows ``query[:num_decodes]`` ([num_decodes, num_heads, head_size])
+        over their contexts; returns the same shape."""
         raise NotImplementedError
 
     # ---- the shared part --------------------------------------------------------------------------

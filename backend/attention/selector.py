@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.attention.base import AttentionBackend
+from backend.attention.paged import PagedAttentionBackend as AttentionBackend
 from backend.attention.torch_backend import TorchAttentionBackend
 
 ATTENTION_BACKEND_NAMES = ("auto", "torch", "cupy")

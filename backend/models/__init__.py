@@ -1,6 +1,3 @@
-"""Llama-family models over the paged KV cache, and their loader."""
-
-from backend.models.llama import LlamaForCausalLM
-from backend.models.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, load_model, resolve_dtype
-
-__all__ = ["LlamaForCausalLM", "ModelLoadError", "SUPPORTED_ARCHITECTURES", "load_model", "resolve_dtype"]
+"""Llama-family models over the paged KV cache (llama.py), their loader (loader.py) and their
+shape facts (shape.py). Nothing is imported here: the attention backends use shape.py, and the
+models use the attention backends."""

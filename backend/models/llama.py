@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.attention.base import AttentionBackend, AttentionMetadata
+from backend.attention.base import AttentionMetadata
+from backend.attention.paged import PagedAttentionBackend as AttentionBackend
 from backend.models.cpu_linear import Linear, packed_linear, prepack_weight
 from backend.models.rope import RotaryEmbedding, get_rope_parameters
 from backend.models.shape import ModelShape

@@ -17,7 +17,7 @@ import os
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from backend.attention.base import AttentionBackend
+from backend.attention.paged import PagedAttentionBackend as AttentionBackend
 from backend.models.cpu_linear import probe_packing
 from backend.models.llama import LlamaForCausalLM
 from backend.models.rope import get_rope_parameters

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+
+from backend.triton.periodic import PeriodicThread
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def http_readiness_probe(base_url: str, model_name: str, model_version: str) -> 
 
 
 class UnloadWatcher:
-    """A daemon thread that calls ``on_unload()`` once, when ``is_ready()`` turns False after True.
+    """Calls ``on_unload()`` once, from a daemon thread, when ``is_ready()`` turns False after True.
 
     ``is_ready`` returns True, False, or None (cannot tell: keep the last answer).
     """
@@ -99,29 +100,25 @@ class UnloadWatcher:
                  poll_seconds: float = POLL_SECONDS):
         self._is_ready = is_ready
         self._on_unload = on_unload
-        self._poll_seconds = poll_seconds
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="llm-unload-watcher", daemon=True)
+        self._seen_ready = False
+        self._thread = PeriodicThread(self._poll, poll_seconds, "llm-unload-watcher")
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._thread.stop(timeout)
 
-    def _run(self) -> None:
-        seen_ready = False
-        while not self._stop.wait(self._poll_seconds):
-            try:
-                ready = self._is_ready()
-            except Exception:
-                logger.debug("readiness probe failed", exc_info=True)
-                continue
-            if ready:
-                seen_ready = True
-            elif ready is False and seen_ready:
-                logger.warning("Triton is unloading this model: draining")
-                self._on_unload()
-                return
+    def _poll(self) -> bool:
+        try:
+            ready = self._is_ready()
+        except Exception:
+            logger.debug("readiness probe failed", exc_info=True)
+            return False
+        if ready:
+            self._seen_ready = True
+        elif ready is False and self._seen_ready:
+            logger.warning("Triton is unloading this model: draining")
+            self._on_unload()
+            return True  # done: a model is unloaded once
+        return False

@@ -84,7 +84,8 @@ MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024
 MAX_STOP_WORDS_TENSOR = 4096  # elements of the stop_words tensor (empty ones included)
 
 
-def _scalar(get_input: GetInput, name: str):
+def scalar(get_input: GetInput, name: str):
+    """The one value of input ``name`` (None when not sent); InputError when it holds more."""
     array = get_input(name)
     if array is None:
         return None
@@ -105,6 +106,15 @@ def _decode_utf8(name: str, value) -> str:
     raise InputError(f"{name}: expected UTF-8 bytes, got {type(value).__name__}")
 
 
+def _load_json(name: str, text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{name}: malformed JSON ({exc.msg} at position {exc.pos})") from None
+    except RecursionError:
+        raise InputError(f"{name}: JSON nested too deeply") from None
+
+
 def _from_text(name: str, value, convert):
     """A number sent as a JSON string (Triton's vLLM backend converts them, and its clients rely on it)."""
     try:
@@ -113,16 +123,21 @@ def _from_text(name: str, value, convert):
         raise InputError(f"{name}: expected a number, got {value[:40]!r}") from None
 
 
-def _as_int(name: str, value, text_ok: bool = False) -> int:
+def _number(name: str, value, kind: str, text_ok: bool):
+    """``value`` as int or float; booleans and (unless ``text_ok``) strings are refused."""
     if isinstance(value, bool | np.bool_):
-        raise InputError(f"{name}: expected an integer, got a boolean")
+        raise InputError(f"{name}: expected {kind}, got a boolean")
     if text_ok and isinstance(value, str):
-        value = _from_text(name, value, int)
+        value = _from_text(name, value, int if kind == "an integer" else float)
     if isinstance(value, str | bytes | np.bytes_):
-        raise InputError(f"{name}: expected an integer, got a string")
-    if isinstance(value, float | np.floating):
-        if not math.isfinite(value) or value != int(value):
-            raise InputError(f"{name}: expected an integer, got {value}")
+        raise InputError(f"{name}: expected {kind}, got a string")
+    return value
+
+
+def _as_int(name: str, value, text_ok: bool = False) -> int:
+    value = _number(name, value, "an integer", text_ok)
+    if isinstance(value, float | np.floating) and (not math.isfinite(value) or value != int(value)):
+        raise InputError(f"{name}: expected an integer, got {value}")
     try:
         return int(value)
     except (TypeError, ValueError):
@@ -130,12 +145,7 @@ def _as_int(name: str, value, text_ok: bool = False) -> int:
 
 
 def _as_float(name: str, value, text_ok: bool = False) -> float:
-    if isinstance(value, bool | np.bool_):
-        raise InputError(f"{name}: expected a number, got a boolean")
-    if text_ok and isinstance(value, str):
-        value = _from_text(name, value, float)
-    if isinstance(value, str | bytes | np.bytes_):
-        raise InputError(f"{name}: expected a number, got a string")
+    value = _number(name, value, "a number", text_ok)
     try:
         result = float(value)
     except (TypeError, ValueError):
@@ -145,7 +155,7 @@ def _as_float(name: str, value, text_ok: bool = False) -> float:
     return result
 
 
-def _as_bool(name: str, value, text_ok: bool = False) -> bool:
+def as_bool(name: str, value, text_ok: bool = False) -> bool:
     if isinstance(value, bool | np.bool_):
         return bool(value)
     if isinstance(value, int | np.integer) and value in (0, 1):
@@ -193,9 +203,9 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, check: Callable
         ("seed", "seed", _as_int),  # the name Triton's OpenAI frontend sends
         ("frequency_penalty", "frequency_penalty", _as_float),
         ("presence_penalty", "presence_penalty", _as_float),
-        ("ignore_eos", "ignore_eos", _as_bool),
+        ("ignore_eos", "ignore_eos", as_bool),
     ):
-        value = _scalar(get_input, name)
+        value = scalar(get_input, name)
         if value is not None:
             converted = convert(name, value)
             if field_name in values and values[field_name] != converted:
@@ -210,16 +220,16 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, check: Callable
         values["stop"] = [w for w in words if w]
     options = {"stream": False, "exclude_input_in_output": True}
     for name in REQUEST_OPTION_KEYS:
-        value = _scalar(get_input, name)
+        value = scalar(get_input, name)
         if value is not None:
-            options[name] = _as_bool(name, value)
+            options[name] = as_bool(name, value)
     flags = {}
     for name in RETURN_INPUTS:
-        value = _scalar(get_input, name)
-        flags[name[len("return_"):]] = False if value is None else _as_bool(name, value)
+        value = scalar(get_input, name)
+        flags[name[len("return_"):]] = False if value is None else as_bool(name, value)
     returns = ReturnOptions(**flags)
 
-    raw_json = _scalar(get_input, "sampling_parameters")
+    raw_json = scalar(get_input, "sampling_parameters")
     if raw_json is not None:
         values.update(_parse_sampling_json(_decode_utf8("sampling_parameters", raw_json), options))
     if returns.needs_logprobs:
@@ -237,8 +247,8 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, check: Callable
 
 def _prompt_or_messages(get_input: GetInput, max_prompt_bytes: int | None) -> tuple[str | None, list | None]:
     """Exactly one of text_input (the prompt) and messages (a chat, JSON)."""
-    raw_prompt = _scalar(get_input, "text_input")
-    raw_messages = _scalar(get_input, "messages")
+    raw_prompt = scalar(get_input, "text_input")
+    raw_messages = scalar(get_input, "messages")
     if (raw_prompt is None) == (raw_messages is None):
         raise InputError("text_input, messages: send exactly one of them (a prompt, or chat messages as JSON)")
     name = "text_input" if raw_prompt is not None else "messages"
@@ -259,12 +269,7 @@ def parse_messages(text: str) -> list[dict[str, str]]:
     content is a string, or a list of {"type": "text", "text": ...} parts (joined); roles are
     system, user, assistant, tool and developer. Raises InputError naming messages[i].
     """
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"messages: malformed JSON ({exc.msg} at position {exc.pos})") from None
-    except RecursionError:
-        raise InputError("messages: JSON nested too deeply") from None
+    obj = _load_json("messages", text)
     if not isinstance(obj, list) or not obj:
         raise InputError("messages: expected a non-empty JSON array of {\"role\", \"content\"} objects")
     if len(obj) > MAX_CHAT_MESSAGES:
@@ -304,19 +309,14 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
         raise InputError(
             f"sampling_parameters: {len(text)} characters; at most {MAX_SAMPLING_PARAMETERS_BYTES}"
         )
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"sampling_parameters: malformed JSON ({exc.msg} at position {exc.pos})") from None
-    except RecursionError:
-        raise InputError("sampling_parameters: JSON nested too deeply") from None
+    obj = _load_json("sampling_parameters", text)
     if not isinstance(obj, dict):
         raise InputError("sampling_parameters: expected a JSON object")
     values: dict[str, object] = {}
     for key, value in obj.items():
         where = f"sampling_parameters.{key}"
         if key in REQUEST_OPTION_KEYS:
-            options[key] = _as_bool(where, value, text_ok=True)
+            options[key] = as_bool(where, value, text_ok=True)
         elif key in FIXED_KEYS:
             _check_fixed(where, key, value)
         elif key == "lora_name":
@@ -348,7 +348,7 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
                 values["logprobs"] = True
                 values["top_logprobs"] = _as_int(where, value, text_ok=True)
         elif key in BOOL_KEYS:
-            values[key] = _as_bool(where, value, text_ok=True)
+            values[key] = as_bool(where, value, text_ok=True)
         elif key == "seed":
             values["seed"] = None if value is None else _as_int(where, value, text_ok=True)
         elif key == "top_k":
@@ -367,7 +367,7 @@ def _check_fixed(where: str, key: str, value) -> None:
     if value is None:
         return
     if isinstance(expected, bool):
-        ok = _as_bool(where, value, text_ok=True) == expected
+        ok = as_bool(where, value, text_ok=True) == expected
     else:
         ok = _as_int(where, value, text_ok=True) == expected
     if not ok:

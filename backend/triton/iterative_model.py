@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from backend.engine import EngineInputError, RequestOutput
 from backend.triton.helpers import input_getter, load_llm_config, send_error, set_utf8_locale
 from backend.triton.inputs import InputError, parse_request
+from backend.triton.periodic import PeriodicThread
 from backend.triton.response_state import ResponseState
 
 logger = logging.getLogger(__name__)
@@ -210,33 +211,28 @@ class IterativeDriver:
 
 
 class CancelWatcher:
-    """A daemon thread that hands ``driver.reap_cancelled`` to the engine's thread every poll."""
+    """Hands ``driver.reap_cancelled`` to the engine's thread every poll, from a daemon thread."""
 
     def __init__(self, driver: IterativeDriver, worker: ThreadPoolExecutor):
-        import threading  # noqa: PLC0415
-
         self.driver = driver
         self.worker = worker
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="llm-iterative-cancel", daemon=True)
+        self._pending: Future | None = None
+        self._thread = PeriodicThread(self._submit, CANCEL_POLL_SECONDS, "llm-iterative-cancel")
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._thread.stop(timeout)
 
-    def _run(self) -> None:
-        pending: Future | None = None
-        while not self._stop.wait(CANCEL_POLL_SECONDS):
-            if pending is not None and not pending.done():
-                continue  # the engine's thread is busy: one reap in its queue is enough
-            try:
-                pending = self.worker.submit(self._reap)
-            except RuntimeError:  # the worker is shutting down
-                return
+    def _submit(self) -> bool:
+        if self._pending is not None and not self._pending.done():
+            return False  # the engine's thread is busy: one reap in its queue is enough
+        try:
+            self._pending = self.worker.submit(self._reap)
+        except RuntimeError:  # the worker is shutting down
+            return True
+        return False
 
     def _reap(self) -> None:
         try:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from backend.triton.helpers import input_getter, make_error, model_parameters, set_utf8_locale
+from backend.triton.inputs import InputError, as_bool, scalar
 
 # model_dir is accepted and ignored: repository tooling sets it on every model it copies.
 PARAMETERS = ("tokenizer_dir", "model_dir")
@@ -39,13 +40,11 @@ def load_tokenizer(tokenizer_dir: str, base_dir: str):
 
 
 def _flag(get_input, name: str, default: bool) -> bool:
-    array = get_input(name)
-    if array is None:
-        return default
-    flat = np.asarray(array).reshape(-1)
-    if flat.size != 1:
-        raise TokenizerError(f"{name}: expected one value, got {flat.size}")
-    return bool(flat[0])
+    try:
+        value = scalar(get_input, name)
+        return default if value is None else as_bool(name, value)
+    except InputError as exc:
+        raise TokenizerError(str(exc)) from None
 
 
 def parse_tokenizer_request(get_input, vocab_size: int):

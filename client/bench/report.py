@@ -94,6 +94,13 @@ def write_plots(document: dict, path: str | Path) -> str:
         axis.legend()
     figure.suptitle(f"{document['model']}: {document['workload']['input_len']['spec']} in, "
                     f"{document['workload']['output_len']['spec']} out")
+    return save_figure(figure, path)
+
+
+def save_figure(figure, path) -> str:
+    """Lays out, writes (creating the folder) and closes a matplotlib figure; says where."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -74,6 +74,11 @@ class Summary:
         return {"count": self.count, "mean": self.mean, "std": self.std, **self.percentiles}
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100), numpy's default; nan when there are no values."""
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else float("nan")
+
+
 def summarize_ms(values_s: Iterable[float], percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> Summary:
     """Summary of durations given in seconds, reported in milliseconds."""
     values = np.asarray(list(values_s), dtype=np.float64) * 1000.0

@@ -37,6 +37,7 @@ def run_engine_in_process(
     from backend.config import engine_config_from_model_folder
     from backend.engine import LLMEngine
     from backend.request import SamplingParams
+    from perf.engine_driver import EngineDriver
 
     config = engine_config_from_model_folder(model_folder, **(overrides or {}))
     engine = LLMEngine(config)
@@ -45,41 +46,29 @@ def run_engine_in_process(
     offsets = send_offsets(pattern, len(requests), seed)
     limit = int(pattern.value) if offsets is None else len(requests)
     pending = deque(range(len(requests)))
-    start_times: dict[int, float] = {}
-    token_times: dict[int, list[float]] = {}
-    num_tokens: dict[int, int] = {}
-    records: list[RequestRecord | None] = [None] * len(requests)
-    in_flight = steps = 0
+    driver = EngineDriver(engine)
     with Progress(pattern.label, len(requests), progress_interval_s) as progress:
         start, cpu_start = time.monotonic(), time.process_time()
-        while pending or in_flight:
+        while pending or driver.in_flight:
             now = time.monotonic()
-            while pending and in_flight < limit and (offsets is None or start + offsets[pending[0]] <= now):
+            while pending and driver.in_flight < limit and (offsets is None or start + offsets[pending[0]] <= now):
                 index = pending.popleft()
                 prompt, max_tokens = requests[index]
-                engine.add_request(str(index), prompt_token_ids=list(prompt),
-                                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-                start_times[index], token_times[index], num_tokens[index] = now, [], 0
-                in_flight += 1
-            if not in_flight:  # open loop, engine idle: wait for the next arrival
+                driver.add(index, prompt, max_tokens, arrival=now)
+            if not driver.in_flight:  # open loop, engine idle: wait for the next arrival
                 time.sleep(max(0.0, start + offsets[pending[0]] - time.monotonic()))
                 continue
-            outputs = engine.step().outputs
-            steps += 1
-            now = time.monotonic()
-            for output in outputs:
-                index = int(output.request_id)
-                if output.new_token_ids:
-                    token_times[index].append(now)
-                    num_tokens[index] += len(output.new_token_ids)
-                    progress.add_tokens(len(output.new_token_ids))
-                if output.finished:
-                    times = token_times[index]
-                    records[index] = RequestRecord(start_times[index], now, times[0] if times else None, tuple(times),
-                                                   num_tokens[index], len(requests[index][0]), error=output.error)
-                    progress.finish(failed=output.error is not None)
-                    in_flight -= 1
+            outputs = driver.step().outputs
+            tokens_before = driver.num_tokens
+            for index in driver.record(outputs, time.monotonic()):
+                progress.finish(failed=driver.records[index].error is not None)
+            progress.add_tokens(driver.num_tokens - tokens_before)
         duration, cpu_s = time.monotonic() - start, time.process_time() - cpu_start
+    records = []
+    for index in range(len(requests)):
+        record = driver.records[index]
+        records.append(RequestRecord(record.arrival, record.end_time, record.first_token_time, tuple(record.token_times),
+                                     record.num_output_tokens, record.num_input_tokens, error=record.error))
     stats = engine.stats()
-    summary = {"steps": steps, "preemptions": stats.num_preemptions, "cpu_s": cpu_s, "config": str(config)}
-    return [r for r in records if r is not None], duration, summary
+    summary = {"steps": driver.steps, "preemptions": stats.num_preemptions, "cpu_s": cpu_s, "config": str(config)}
+    return records, duration, summary

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from client.bench.report import MISSING_MATPLOTLIB
+from client.bench.report import MISSING_MATPLOTLIB, save_figure
 from client.bench.stats import BenchmarkMetrics, summarize_ms
 
 TRITON_NAME_PREFIX = "Triton llm"
@@ -161,9 +161,4 @@ def write_plot(results: list[SystemResult], path: str | Path) -> str:
     right.invert_yaxis()
     right.set_xlabel("TTFT p50, ms (lower is better)")
     right.set_title("Time to first token")
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return f"plot written to {path}"
+    return save_figure(figure, path)

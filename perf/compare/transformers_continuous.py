@@ -284,17 +284,21 @@ def check_greedy_parity(model_dir: str, requests: list[tuple[list[int], int]]) -
     return matches
 
 
-def _demo_requests(num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int):
-    rng = random.Random(seed)
-    return [([1] + [rng.randrange(3, 8192) for _ in range(rng.randint(*prompt_range) - 1)], rng.randint(*output_range))
-            for _ in range(num)]
+def _demo_requests(folder: str, num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int):
+    from transformers import AutoConfig
+
+    from perf.workload import random_workload
+
+    vocab_size = AutoConfig.from_pretrained(folder).vocab_size
+    return random_workload(random.Random(seed), num, vocab_size, prompt_range, output_range)
 
 
 if __name__ == "__main__":
     folder = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[2] / "models" / "demo-llama")
-    demo = run_transformers_continuous(folder, _demo_requests(4, (20, 60), (8, 16), seed=0), progress_interval_s=0.5)
+    demo = run_transformers_continuous(folder, _demo_requests(folder, 4, (20, 60), (8, 16), seed=0),
+                                       progress_interval_s=0.5)
     print({k: v for k, v in demo.items() if k != "per_request"})
     for row in demo["per_request"]:
         print(f"  ttft {row['ttft_s'] * 1000:.0f} ms, e2e {row['e2e_s'] * 1000:.0f} ms, "
               f"{row['num_output_tokens']} tokens")
-    print("greedy parity with generate():", check_greedy_parity(folder, _demo_requests(2, (20, 60), (8, 16), seed=1)))
+    print("greedy parity with generate():", check_greedy_parity(folder, _demo_requests(folder, 2, (20, 60), (8, 16), seed=1)))

@@ -1,7 +1,7 @@
 """GPU checks of the cupy attention backend: they run where CuPy and a CUDA device are present
 and are skipped otherwise, with the reason (pytest -ra lists it).
 
-perf/gpu_check.py runs them all in a few minutes on a lent GPU machine.
+tests/gpu/check_all.py runs them all in a few minutes on a lent GPU machine.
 """
 
 from __future__ import annotations

@@ -128,21 +128,14 @@ def test_block_offsets_beyond_32_bits():
     torch.testing.assert_close(out.cpu().float(), expected.half().float(), **gpu_tolerances("float16"))
 
 
+def _two_decodes():
+    return make_batch([40, 70], [1, 1], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                      dtype=torch.float16, fill=0.0)
+
+
 def test_runs_on_torchs_current_stream():
     """Work queued on a side stream is ordered with the kernels (ExternalStream), no extra sync."""
-    batch = to_device(
-        make_batch(
-            [40, 70],
-            [1, 1],
-            num_heads=8,
-            num_kv_heads=2,
-            head_size=128,
-            block_size=16,
-            dtype=torch.float16,
-            fill=0.0,
-        ),
-        CUDA,
-    )
+    batch = to_device(_two_decodes(), CUDA)
     backend = CupyAttentionBackend(CUDA, head_size=128, dtype=torch.float16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -153,16 +146,7 @@ def test_runs_on_torchs_current_stream():
         )
         check = out.float().sum()  # ... and consumed there
     torch.cuda.synchronize()
-    cpu = make_batch(
-        [40, 70],
-        [1, 1],
-        num_heads=8,
-        num_kv_heads=2,
-        head_size=128,
-        block_size=16,
-        dtype=torch.float16,
-        fill=0.0,
-    )
+    cpu = _two_decodes()
     cpu.query = cpu.query * 2
     expected, _, _ = expected_output(cpu, 0.1)
     assert math.isfinite(float(check))

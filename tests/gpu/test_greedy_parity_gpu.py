@@ -17,20 +17,18 @@ from backend.request import SamplingParams
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+def build_small_model(folder) -> str:
+    """A 2-layer demo-style model, GQA 4 (also used by the CPU-emulated kernel parity test)."""
     from backend.demo_model import DemoModelSpec, build
 
-    spec = DemoModelSpec(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-    )
-    return str(build(tmp_path_factory.mktemp("demo") / "demo-small", spec))
+    spec = DemoModelSpec(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=2048)
+    return str(build(folder, spec))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_small_model(tmp_path_factory.mktemp("demo") / "demo-small")
 
 
 def prompts() -> list[list[int]]:

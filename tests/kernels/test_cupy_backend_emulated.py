@@ -78,16 +78,8 @@ def test_forward_matches_reference(config, lens):
 @pytest.mark.skipif(cases.SANITIZER_RUN, reason="no kernel involved")
 @pytest.mark.parametrize(("context_len", "q_len"), [(1, 1), (20, 20), (40, 9), (33, 1)])
 def test_the_shared_prefill_path_over_its_context(context_len, q_len):
-    batch = make_batch(
-        [context_len],
-        [q_len],
-        num_heads=6,
-        num_kv_heads=2,
-        head_size=64,
-        block_size=8,
-        dtype=torch.float32,
-        seed=5,
-    )
+    batch = make_batch([context_len], [q_len], num_heads=6, num_kv_heads=2, head_size=64, block_size=8,
+                       dtype=torch.float32, seed=5)
     reference.write_cache(
         batch.key, batch.value, batch.key_cache, batch.value_cache, batch.metadata.slot_mapping
     )
@@ -129,13 +121,20 @@ def test_forward_rejects_mismatched_inputs():
         )
 
 
-@pytest.mark.skipif(cases.SANITIZER_RUN, reason="plain build only")
-def test_modules_are_built_once_per_dtype_and_head_size():
+def recording_factory():
+    """(the specs built so far, a module factory that records each spec and builds it emulated)."""
     built = []
 
     def factory(spec):
         built.append(spec)
         return emulated_module(spec)
+
+    return built, factory
+
+
+@pytest.mark.skipif(cases.SANITIZER_RUN, reason="plain build only")
+def test_modules_are_built_once_per_dtype_and_head_size():
+    built, factory = recording_factory()
 
     backend = CupyAttentionBackend(
         "cpu",
@@ -161,11 +160,7 @@ def test_modules_are_built_once_per_dtype_and_head_size():
 
 @pytest.mark.skipif(cases.SANITIZER_RUN, reason="plain build only")
 def test_modules_are_built_on_first_use_without_head_size():
-    built = []
-
-    def factory(spec):
-        built.append(spec)
-        return emulated_module(spec)
+    built, factory = recording_factory()
 
     backend = CupyAttentionBackend("cpu", partition_size=64, module_factory=factory, launch=emulated_launch)
     assert built == []

@@ -20,20 +20,10 @@ pytestmark = pytest.mark.skipif(
 def test_engine_greedy_parity_with_emulated_kernels(tmp_path, monkeypatch):
     import backend.attention.selector as selector
     from backend.attention.cupy_backend import CupyAttentionBackend
-    from backend.demo_model import DemoModelSpec, build
     from tests.gpu import test_greedy_parity_gpu as gpu_test
     from tests.kernels.conftest import emulated_launch, emulated_module
 
-    spec = DemoModelSpec(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-    )
-    model_dir = str(build(tmp_path / "demo-small", spec))
+    model_dir = gpu_test.build_small_model(tmp_path / "demo-small")
     parse = gpu_test.parse_engine_config
     monkeypatch.setattr(gpu_test, "parse_engine_config", lambda params: parse({**params, "device": "cpu"}))
     expected = gpu_test.greedy(model_dir, "torch", "float32")

@@ -67,24 +67,9 @@ def test_decode_matches_reference(config, case: cases.DecodeCase):
     )
     scale = head_size**-0.5
     module = emulated_module(paged_attention_spec(dtype_name, head_size, partition_size=partition_size))
-    out = run_decode(
-        module,
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.metadata.block_tables,
-        batch.metadata.seq_lens,
-        scale,
-        partition_size,
-    )
-    expected = reference.paged_decode(
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.metadata.block_tables,
-        batch.metadata.seq_lens,
-        scale,
-    )
+    caches_and_tables = (batch.key_cache, batch.value_cache, batch.metadata.block_tables, batch.metadata.seq_lens)
+    out = run_decode(module, batch.query, *caches_and_tables, scale, partition_size)
+    expected = reference.paged_decode(batch.query, *caches_and_tables, scale)
     assert not out.isnan().any(), "the kernel read a slot outside the context (NaN poison)"
     torch.testing.assert_close(out.float(), expected.to(dtype).float(), **cases.tolerances(dtype_name))
 

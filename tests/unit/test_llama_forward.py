@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,21 +11,13 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from backend.model_runner import ModelRunner
-from backend.models import ModelLoadError, load_model
-from backend.models.loader import load_config
+from backend.models.loader import ModelLoadError, load_config, load_model
 from backend.models.rope import compute_inv_freq, get_rope_parameters
 from backend.request import Request, SamplingParams
+from backend.scheduler import ScheduledRequest as Scheduled
 from tests.unit.random_models import LLAMA3_ROPE, MODEL_SPECS, get_random_model, reference_logits
 
 CPU = torch.device("cpu")
-
-
-@dataclass
-class Scheduled:
-    request: Request
-    num_new_tokens: int
-    num_computed_tokens: int
-    block_ids: list[int]
 
 
 def _prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

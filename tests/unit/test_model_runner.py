@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from backend.model_runner import ModelRunner, allocate_kv_caches
-from backend.models import load_model
+from backend.models.loader import load_model
 from backend.models.shape import ModelShape
 from backend.request import Request, SamplingParams
+from backend.scheduler import ScheduledRequest as Scheduled
 from tests.unit.random_models import get_random_model, reference_greedy, reference_logits
 
 CPU = torch.device("cpu")
-
-
-@dataclass
-class Scheduled:
-    """Stands in for backend.scheduler.ScheduledRequest (same fields)."""
-
-    request: Request
-    num_new_tokens: int
-    num_computed_tokens: int
-    block_ids: list[int]
 
 
 def _runner(name: str, block_size: int, num_blocks: int = 256):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs every GPU check of the cupy attention backend in a few minutes, for a lent GPU machine.
 
-    python3 perf/gpu_check.py [--out DIR] [-- extra pytest arguments]
+    python3 tests/gpu/check_all.py [--out DIR] [-- extra pytest arguments]
 
 What it runs (tests/gpu, each also runnable alone with pytest):
   * the kernels through CuPy against the torch reference: every CPU-emulation batch, every
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
