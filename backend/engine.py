@@ -1,9 +1,26 @@
 """The engine: add requests, abort them, and step; no threads and no Triton.
 
-One ``step()`` schedules this iteration's tokens under one budget (running requests first, then
-waiting ones, prompts chunked), runs one forward over the flattened batch, samples, detokenizes
-incrementally and checks stop conditions. Triton's glue (backend/triton) drives it from a thread;
-``generate()`` drives it offline.
+How a request flows through it. ``check_sampling_params`` is the one check of its sampling
+parameters (backend/triton calls it before queueing; ``add_request`` for everyone else).
+``add_request`` tokenizes the prompt, asks the scheduler's ``rejection_reason`` once (prompt size
+against max_model_len, the KV pool, the budget), and makes the ``Request`` (backend/request.py),
+which from then on holds everything kept for it: tokens, progress, its detokenizer, its seeded
+generator, its prefix-cache block hashes. Each ``step()``:
+
+1. the scheduler (backend/scheduler.py) picks this iteration's tokens under one budget: running
+   requests first, then waiting ones, prompts chunked, the newest preempted when blocks run out;
+   the KV manager (backend/kv_cache/manager.py) allocates their slots and reuses cached prefix
+   blocks;
+2. the model runner (backend/model_runner.py), which owns the model and the KV cache, runs one
+   forward over the flattened batch (decodes first) and returns logits for the requests whose
+   chunk reached their last token;
+3. the sampler (backend/sampler.py) picks one token each; a failing row fails its request alone;
+4. each request appends its token, its detokenizer turns it into a safe text delta (holding back
+   partial UTF-8 and possible stop strings), and the stop checks run; a finished request leaves
+   the scheduler (its blocks are freed) and the engine (and with it all its state).
+
+``step()`` returns the outputs with the step's statistics. Triton's glue (backend/triton) drives
+it from a thread; ``generate()`` and perf/engine_driver.py drive it offline.
 """
 
 from __future__ import annotations
