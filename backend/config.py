@@ -7,8 +7,6 @@ rejecting unknown names and bad values with a message that names the parameter.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -90,8 +88,6 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "default_max_tokens": ("scheduler", "int", 1),
 }
 
-ENGINE_PARAMETER_NAMES = frozenset(_PARAMETERS)
-
 
 def _parse_value(name: str, kind: str, minimum: int | None, raw: str, base_dir: str | None):
     text = str(raw).strip()
@@ -169,15 +165,6 @@ def validate_engine_config(config: EngineConfig) -> None:
         raise ConfigError(
             f"parameter 'default_max_tokens': must be < max_model_len ({model.max_model_len})"
         )
-
-
-def replace(config, **changes):
-    """dataclasses.replace, re-exported so callers need not import dataclasses."""
-    return dataclasses.replace(config, **changes)
-
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)
 
 
 _PBTXT_PARAMETER = re.compile(r'key\s*:\s*"([^"]+)"\s*value\s*:\s*\{\s*string_value\s*:\s*"((?:[^"\\]|\\.)*)"\s*\}')

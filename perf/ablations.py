@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from backend.models.shape import ceil_div
 from client.bench.progress import Progress
 from client.bench.stats import percentile
 from perf.workload import random_prompt, random_tokens
@@ -403,7 +404,7 @@ def ablation_paged_kv(model_folder: str, vocab: int, size: dict, seed: int) -> d
     paged_peak = result["peak_running"]
     paged_saturated = sum(saturated) / len(saturated) if saturated else float(paged_peak)
     contiguous = usable * block_size // size["max_model_len"]
-    mean_blocks = sum(math.ceil((p + o) / block_size) for p, o in lengths) / len(lengths)
+    mean_blocks = sum(ceil_div(p + o, block_size) for p, o in lengths) / len(lengths)
     summary = {
         "num_blocks": usable, "block_size": block_size, "kv_bytes": usable * bytes_per_block,
         "max_model_len": size["max_model_len"], "contiguous_capacity": contiguous, "paged_peak_running": paged_peak,

@@ -22,7 +22,6 @@ For tests without a GPU, ``module_factory`` and ``launch`` can be replaced by th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -32,6 +31,7 @@ import torch
 
 from backend.attention.base import AttentionMetadata
 from backend.attention.paged import PagedAttentionBackend
+from backend.models.shape import ceil_div
 from kernels.build_options import (
     NUM_THREADS,
     PARTITION_SIZE,
@@ -244,7 +244,7 @@ class CupyAttentionBackend(PagedAttentionBackend):
             raise ValueError(
                 f"slot_mapping must be int64 [num_tokens], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
             )
-        threads = min(RESHAPE_MAX_THREADS, 32 * math.ceil(num_kv_heads * head_size / 32))
+        threads = min(RESHAPE_MAX_THREADS, 32 * ceil_div(num_kv_heads * head_size, 32))
         self._launch(
             self._get_kernels(key_cache.dtype, head_size).cache_write, (num_tokens,), (threads,),
             cache_write_args(key, value, key_cache, value_cache, slot_mapping.contiguous()),
@@ -274,7 +274,7 @@ class CupyAttentionBackend(PagedAttentionBackend):
         if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
             raise ValueError(f"block_tables must be int32 with contiguous rows, got {block_tables.dtype}")
         seq_lens = seq_lens.to(torch.int32).contiguous()
-        num_partitions = max(1, math.ceil(max_seq_len / self.partition_size))
+        num_partitions = max(1, ceil_div(max_seq_len, self.partition_size))
         if num_partitions == 1:
             tmp_out = max_logits = exp_sums = self._placeholder(query.device)
         else:

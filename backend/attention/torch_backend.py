@@ -51,7 +51,7 @@ def plan_decode_groups(seq_lens: list[int], block_size: int, max_groups: int | N
     max_groups = MAX_DECODE_GROUPS if max_groups is None else max_groups
     group_cost = DECODE_GROUP_COST if group_cost is None else group_cost
     order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
-    padded = [-(-seq_lens[i] // block_size) * block_size for i in order]
+    padded = [ceil_div(seq_lens[i], block_size) * block_size for i in order]
     n = len(order)
     if n == 0:
         return []

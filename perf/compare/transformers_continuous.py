@@ -65,6 +65,8 @@ import sys
 import time
 from pathlib import Path
 
+from backend.models.shape import ceil_div
+
 PAGE_SIZE = 32  # tokens per KV page (the "block size")
 MIN_BLOCKS, MAX_BLOCKS = 64, 2048  # clamp for num_blocks: 2048 pages of 32 tokens = 512 MiB of fp32 KV for this model
 FIFO_SAFETY_MARGIN = 0.15  # FIFOScheduler's default: no new prefill once fewer than 15% of the blocks are free
@@ -76,7 +78,7 @@ NO_EOS = -1  # RequestState drops negative EOS ids: the request only stops at ma
 
 def _num_blocks_for(requests: list[tuple[list[int], int]]) -> int:
     """Pages needed to hold every request at once, over the scheduler's safety margin, clamped."""
-    needed = sum(math.ceil((len(prompt) + num_out) / PAGE_SIZE) for prompt, num_out in requests)
+    needed = sum(ceil_div(len(prompt) + num_out, PAGE_SIZE) for prompt, num_out in requests)
     return max(MIN_BLOCKS, min(MAX_BLOCKS, math.ceil(needed / (1.0 - FIFO_SAFETY_MARGIN)) + 1))
 
 
