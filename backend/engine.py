@@ -283,9 +283,11 @@ class LLMEngine:
             failed = self.fail_requests([r.request_id for r in self._step_requests], message)
             return StepOutput(failed, StepStats(num_seqs=len(self._step_requests)))
 
-    def fail_requests(self, request_ids: list[str], message: str) -> list[RequestOutput]:
-        """Ends these requests with an error (a step that failed with them in it) and forgets cached
-        prefixes: the KV of blocks hashed in that step may never have been written."""
+    def fail_requests(self, request_ids: list[str], message: str, kv_suspect: bool = True) -> list[RequestOutput]:
+        """Ends these requests with an error. ``kv_suspect`` (a step failed before or during its
+        forward) also forgets cached prefixes: the KV of blocks hashed in that step may never have
+        been written. A request that failed after the forward (its sampling, its stop checks)
+        leaves the cache as it is, so one bad request does not cost everyone their prefix hits."""
         outputs = []
         for request_id in request_ids:
             output = self.abort_request(request_id)
@@ -293,7 +295,8 @@ class LLMEngine:
                 output.finish_reason = FinishReason.ERROR
                 output.error = message
                 outputs.append(output)
-        self.kv_cache_manager.reset_prefix_cache()
+        if kv_suspect:
+            self.kv_cache_manager.reset_prefix_cache()
         return outputs
 
     def fail_all(self, message: str) -> list[RequestOutput]:
@@ -357,7 +360,7 @@ class LLMEngine:
                 except Exception as exc:  # detokenizing or stop checks of this request alone
                     logger.exception("finishing the step of %s failed", request.request_id)
                     error = internal_error_message(exc)
-            outputs.extend(self.fail_requests([request.request_id], error))
+            outputs.extend(self.fail_requests([request.request_id], error, kv_suspect=False))
         if clock is not None:
             clock.lap(stats.timings, "detokenize")
         return StepOutput(outputs, stats)

@@ -106,3 +106,21 @@ def test_a_failed_forward_fails_the_requests_of_that_step_and_spares_the_waiting
             assert output.request_id == "r2" and output.error is None
             tokens.extend(output.new_token_ids)
     assert tokens == expected
+
+
+def test_a_request_failing_after_the_forward_leaves_the_prefix_cache_to_everyone_else(demo_model_dir):
+    """One bad request must not cost the others their prefix hits (only a failed forward may have
+    left hashed blocks without their KV)."""
+    engine = _engine()
+    prefix = list(range(100, 148))  # three full 16-token blocks
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("good", prompt_token_ids=[1, *prefix, 7], sampling_params=params)
+    engine.add_request("bad", prompt_token_ids=[1, 9, 9, 9], sampling_params=params)
+    engine.requests["bad"].sampling_params = SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[10**8])
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step_or_fail_all().outputs if o.finished})
+    assert finals["bad"].finish_reason is FinishReason.ERROR and finals["good"].error is None
+    hits_before = engine.stats().prefix_cache_hits
+    engine.generate([[1, *prefix, 8]], [params])
+    assert engine.stats().prefix_cache_hits - hits_before == 48  # the good request's blocks were kept
