@@ -114,13 +114,8 @@ def tune_cpu_allocator() -> None:
 class ModelRunner:
     """Runs the model over its paged KV cache for one scheduled step at a time."""
 
-    def __init__(self, model, num_kv_blocks: int, block_size: int, attention_backend=None):
-        """Binds ``model`` (a loaded LlamaForCausalLM) to a new zeroed KV cache of ``num_kv_blocks``.
-
-        ``attention_backend``, when given, replaces the model's (every layer uses it).
-        """
-        if attention_backend is not None:
-            model.set_attention_backend(attention_backend)
+    def __init__(self, model, num_kv_blocks: int, block_size: int):
+        """Binds ``model`` (a loaded LlamaForCausalLM) to a new zeroed KV cache of ``num_kv_blocks``."""
         parameter = next(model.parameters())
         self.model = model
         self.shape: ModelShape = model.shape

@@ -146,8 +146,8 @@ class Sampler:
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
         chosen_logprobs = torch.empty(num_rows, dtype=torch.float32, device=device) if want_logprobs else None
         ranks = torch.empty(num_rows, dtype=torch.long, device=device) if want_logprobs else None
-        top_values = torch.empty(num_rows, max_top, dtype=torch.float32, device=device)
-        top_ids = torch.empty(num_rows, max_top, dtype=torch.long, device=device)
+        top_values = torch.empty(num_rows, max_top, dtype=torch.float32, device=device) if max_top else None
+        top_ids = torch.empty(num_rows, max_top, dtype=torch.long, device=device) if max_top else None
 
         if greedy_rows:
             g_logits, g_idx = _select_rows(logits, greedy_rows)  # [num_greedy, vocab]
@@ -188,8 +188,8 @@ class Sampler:
         max_top: int,
         chosen: torch.Tensor,  # [num_rows] out: chosen token logprobs
         ranks: torch.Tensor,  # [num_rows] out: chosen token ranks
-        top_values: torch.Tensor,  # [num_rows, max_top] out
-        top_ids: torch.Tensor,  # [num_rows, max_top] out
+        top_values: torch.Tensor | None,  # [num_rows, max_top] out; None when max_top is 0
+        top_ids: torch.Tensor | None,  # [num_rows, max_top] out
     ) -> None:
         lp = _chosen_logprobs(logits, tokens)  # [n]
         self._scatter(chosen, idx, lp)

@@ -174,12 +174,6 @@ class LlamaForCausalLM(nn.Module):
             self.logits_packed = prepack_weight(self.model.embed_tokens.weight)
         return True
 
-    def set_attention_backend(self, attn_backend: AttentionBackend) -> None:
-        """Swaps the attention backend of every layer (e.g. torch <-> cupy for comparisons)."""
-        self.attn_backend = attn_backend
-        for layer in self.model.layers:
-            layer.self_attn.attn_backend = attn_backend
-
     @torch.inference_mode()
     def forward(
         self,

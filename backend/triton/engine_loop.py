@@ -94,10 +94,6 @@ class EngineLoop:
                 logger.warning("draining: requests in flight get up to %g s to finish", grace_seconds)
             self._cond.notify()
 
-    @property
-    def draining(self) -> bool:
-        return self._drain_deadline is not None
-
     def abort(self, request_id: str) -> None:
         with self._cond:
             self._aborts.append(request_id)

@@ -30,8 +30,8 @@ def model_parameters(model_config: dict) -> dict[str, str]:
 
 
 def load_llm_config(pb, args: dict, glue_parameters: frozenset[str],
-                    needs_iterative_sequence: bool = False) -> tuple[str, EngineConfig, dict[str, str], dict]:
-    """(model name, engine config, raw parameters, model config) of an LLM model, checked.
+                    needs_iterative_sequence: bool = False) -> tuple[str, EngineConfig, dict[str, str]]:
+    """(model name, engine config, raw parameters) of an LLM model, checked.
 
     Raises ConfigError naming what is wrong: not decoupled, no iterative sequence batcher when one
     is needed, or a parameter (relative paths resolve against the model's folder).
@@ -45,7 +45,7 @@ def load_llm_config(pb, args: dict, glue_parameters: frozenset[str],
     parameters = model_parameters(model_config)
     # args["model_repository"] is this model's folder: relative paths resolve against it.
     config = parse_engine_config(parameters, base_dir=args["model_repository"], extra_names=glue_parameters)
-    return model_name, config, parameters, model_config
+    return model_name, config, parameters
 
 
 def input_getter(pb, request) -> Callable[[str], np.ndarray | None]:

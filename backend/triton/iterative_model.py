@@ -210,20 +210,14 @@ class IterativeDriver:
             self._by_request_id.pop(sequence.request_id, None)
 
 
-class CancelWatcher:
+class CancelWatcher(PeriodicThread):
     """Hands ``driver.reap_cancelled`` to the engine's thread every poll, from a daemon thread."""
 
     def __init__(self, driver: IterativeDriver, worker: ThreadPoolExecutor):
+        super().__init__(self._submit, CANCEL_POLL_SECONDS, "llm-iterative-cancel")
         self.driver = driver
         self.worker = worker
         self._pending: Future | None = None
-        self._thread = PeriodicThread(self._submit, CANCEL_POLL_SECONDS, "llm-iterative-cancel")
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._thread.stop(timeout)
 
     def _submit(self) -> bool:
         if self._pending is not None and not self._pending.done():
@@ -263,7 +257,7 @@ class TritonPythonModel:
         from backend.engine import LLMEngine  # noqa: PLC0415
         from backend.triton.metrics import TritonMetrics  # noqa: PLC0415
 
-        model_name, config, _, _ = load_llm_config(pb_utils, args, frozenset(), needs_iterative_sequence=True)
+        model_name, config, _ = load_llm_config(pb_utils, args, frozenset(), needs_iterative_sequence=True)
         self.metrics = TritonMetrics(pb_utils, model_name)
         self.driver = IterativeDriver(
             pb_utils, LLMEngine(config), model_name, config.scheduler.max_queue_len,

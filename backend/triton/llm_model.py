@@ -52,7 +52,7 @@ class TritonPythonModel:
         from backend.triton.responder import Responder  # noqa: PLC0415
 
         self.pb = pb_utils
-        self.model_name, self.config, parameters, _ = load_llm_config(pb_utils, args, GLUE_PARAMETERS)
+        self.model_name, self.config, parameters = load_llm_config(pb_utils, args, GLUE_PARAMETERS)
         grace = shutdown_grace_seconds(parameters)
         self.engine = LLMEngine(self.config)
         self.metrics = TritonMetrics(pb_utils, self.model_name)
