@@ -90,7 +90,7 @@ def http_readiness_probe(base_url: str, model_name: str, model_version: str) -> 
     return probe
 
 
-class UnloadWatcher:
+class UnloadWatcher(PeriodicThread):
     """Calls ``on_unload()`` once, from a daemon thread, when ``is_ready()`` turns False after True.
 
     ``is_ready`` returns True, False, or None (cannot tell: keep the last answer).
@@ -98,16 +98,10 @@ class UnloadWatcher:
 
     def __init__(self, is_ready: Callable[[], bool | None], on_unload: Callable[[], None],
                  poll_seconds: float = POLL_SECONDS):
+        super().__init__(self._poll, poll_seconds, "llm-unload-watcher")
         self._is_ready = is_ready
         self._on_unload = on_unload
         self._seen_ready = False
-        self._thread = PeriodicThread(self._poll, poll_seconds, "llm-unload-watcher")
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._thread.stop(timeout)
 
     def _poll(self) -> bool:
         try:

@@ -12,7 +12,8 @@ logger = logging.getLogger(__name__)
 class PeriodicThread:
     """Calls ``tick()`` every ``interval_s`` until ``stop()`` or until ``tick()`` returns True.
 
-    An exception in ``tick`` is logged and the thread goes on.
+    An exception in ``tick`` is logged and the thread goes on. The watchers subclass it and pass
+    their own method as ``tick``.
     """
 
     def __init__(self, tick: Callable[[], bool | None], interval_s: float, name: str):
