@@ -16,6 +16,12 @@ class ConfigError(ValueError):
     """A configuration parameter is unknown or has a bad value; the message names it."""
 
 
+# Parameters of an LLM model's config.pbtxt that the serving glue reads (backend/triton), not the
+# engine: offline tools building the engine from a model folder skip them.
+GLUE_PARAMETER_NAMES = frozenset({
+    "shutdown_grace_seconds", "triton_http_url", "engine_process", "engine_heartbeat_timeout_seconds",
+})
+
 # No tokenizer we know packs more than this many UTF-8 bytes into an average token of real text.
 PROMPT_BYTES_PER_TOKEN = 32
 
@@ -184,4 +190,4 @@ def engine_config_from_model_folder(model_folder: str, **overrides: str) -> Engi
     with open(os.path.join(model_folder, "config.pbtxt"), encoding="utf-8") as handle:
         parameters = parameters_from_pbtxt(handle.read())
     parameters.update(overrides)
-    return parse_engine_config(parameters, base_dir=os.path.abspath(model_folder))
+    return parse_engine_config(parameters, base_dir=os.path.abspath(model_folder), extra_names=GLUE_PARAMETER_NAMES)

@@ -33,17 +33,14 @@ import torch
 
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
+from backend.input_processor import EngineInputError, InputProcessor
 from backend.kv_cache.manager import KVCacheManager
 from backend.model_runner import ModelRunner
-from backend.request import FinishReason, Request, RequestStatus, SamplingParams, SamplingParamsError
+from backend.request import FinishReason, Request, RequestStatus, SamplingParams
 from backend.sampler import Sampler, SamplerOutput
 from backend.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-class EngineInputError(ValueError):
-    """A request the engine cannot take; the message names the field."""
 
 
 @dataclass(slots=True)
@@ -160,6 +157,7 @@ class LLMEngine:
         self.max_model_len = config.model.max_model_len
         self.vocab_size = self.model_runner.shape.vocab_size
         self.eos_token_id = self._eos_token_id()
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
         self.num_kv_blocks = self.model_runner.num_kv_blocks
         block_size = self.model_runner.block_size
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching)
@@ -179,40 +177,15 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- requests
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        return self.input_processor.tokenize(prompt, add_special_tokens)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt of a chat: the checkpoint's chat template with the generation prompt added.
-
-        Tokenize it with ``add_special_tokens=False`` (templates write their own BOS), as
-        transformers' ``apply_chat_template(tokenize=True)`` and vLLM's chat endpoint do.
-        Raises EngineInputError naming ``messages``.
-        """
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise EngineInputError("messages: this model has no chat template; send text_input instead")
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # a template may raise on role orders it does not support
-            raise EngineInputError(f"messages: the chat template refused them ({type(exc).__name__}: {exc})") from None
+        """The chat template's prompt for ``messages`` (backend/input_processor.py)."""
+        return self.input_processor.render_chat(messages)
 
     def check_sampling_params(self, params: SamplingParams) -> None:
-        """The one check of a request's sampling parameters; raises EngineInputError naming the field.
-
-        backend/triton calls it before it queues a request, add_request calls it for everyone
-        else. What depends on the prompt (its length against max_model_len and the KV pool) is
-        checked once the prompt is tokenized, by ``add_request``.
-        """
-        try:
-            params.validate()
-        except SamplingParamsError as exc:
-            raise EngineInputError(str(exc)) from None
-        if params.max_tokens >= self.max_model_len:
-            raise EngineInputError(f"max_tokens: {params.max_tokens} is above the limit {self.max_model_len - 1}")
-        bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop_ids:
-            raise EngineInputError(
-                f"stop_token_ids: {bad_stop_ids[0]} is not a token id of this model (ids are in [0, {self.vocab_size}))"
-            )
+        """The one check of a request's sampling parameters (backend/input_processor.py)."""
+        self.input_processor.check_sampling_params(params)
 
     def add_request(
         self,

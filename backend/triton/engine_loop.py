@@ -1,8 +1,10 @@
-"""The engine thread: takes new requests and aborts, steps while there is work, sleeps otherwise.
+"""The in-thread engine (``engine_process: false``): the engine core's loop on a thread of the stub.
 
-Everything that touches the engine (tokenizing, adding, aborting, stepping) happens on this one
-thread, so the engine needs no locks. Results go to ``outbox`` as ``(outputs, stats)`` pairs for
+Everything that touches the engine (adding, aborting, stepping) happens on this one thread, so the
+engine needs no locks; the loop body is ``EngineCore.iterate`` (backend/engine_core/core.py), the
+same one the engine-core process runs. Results go to ``outbox`` as ``(outputs, stats)`` pairs for
 the response thread; ``None`` in the outbox means the loop has stopped. No Triton import here.
+``EngineCoreClient`` (backend/engine_core/client.py) has the same interface for the core process.
 
 Draining (the server is shutting down or the model is being unloaded): new requests are refused
 with a BusyError, requests in flight go on until they finish or the grace period ends, and then
@@ -14,57 +16,34 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from backend.engine import EngineInputError, LLMEngine, RequestOutput
-from backend.request import FinishReason, SamplingParams
+from backend.engine import LLMEngine
+from backend.engine_core.core import DRAINING_MESSAGE, BusyError, EngineCore, busy_message
+from backend.engine_core.messages import AddRequest
 
 logger = logging.getLogger(__name__)
 
 
-class BusyError(RuntimeError):
-    """More requests wait than max_queue_len allows."""
-
-
-@dataclass(slots=True)
-class PendingRequest:
-    request_id: str
-    prompt: str
-    sampling_params: SamplingParams
-    arrival_time: float
-    add_special_tokens: bool = True  # False for a prompt rendered from chat messages
-
-
-def error_output(request_id: str, message: str, arrival_time: float = 0.0,
-                 reason: FinishReason = FinishReason.ERROR) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id, new_token_ids=[], text="", finished=True, finish_reason=reason,
-        num_prompt_tokens=0, num_output_tokens=0, error=message, arrival_time=arrival_time,
-    )
-
-
 class EngineLoop:
     def __init__(self, engine: LLMEngine, max_queue_len: int):
-        self.engine = engine
+        self.core = EngineCore(engine)
         self.max_queue_len = max_queue_len
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
-        self._pending: deque[PendingRequest] = deque()
+        self._pending: deque[AddRequest] = deque()
         self._aborts: deque[str] = deque()
         self._num_waiting = 0  # engine's waiting count, read without the engine
         self._stopping = False
         self._shutdown_message = "the model is being unloaded"
-        self._drain_deadline: float | None = None  # monotonic; set once draining starts
-        self._drain_grace = 0.0
+        self._drain_grace: float | None = None  # set once draining starts
         self._thread = threading.Thread(target=self._run, name="llm-engine-loop", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: PendingRequest, on_accept: Callable[[], None] | None = None) -> None:
+    def submit(self, request: AddRequest, on_accept: Callable[[], None] | None = None) -> None:
         """Queues a request for the engine; raises BusyError beyond max_queue_len waiting or while
         draining. ``on_accept`` runs under the loop's lock before the request is queued, so whoever
         answers the request (the responder) knows it before the engine can produce anything for it.
@@ -72,13 +51,11 @@ class EngineLoop:
         with self._cond:
             if self._stopping:
                 raise BusyError(self._shutdown_message)
-            if self._drain_deadline is not None:
-                raise BusyError("shutting down (server stop or model unload): not accepting new requests")
+            if self._drain_grace is not None:
+                raise BusyError(DRAINING_MESSAGE)
             waiting = len(self._pending) + self._num_waiting
             if waiting >= self.max_queue_len:
-                raise BusyError(
-                    f"server busy: {waiting} requests are waiting (max_queue_len={self.max_queue_len}); retry later"
-                )
+                raise BusyError(busy_message(waiting, self.max_queue_len))
             if on_accept is not None:
                 on_accept()
             self._pending.append(request)
@@ -88,10 +65,8 @@ class EngineLoop:
         """Refuses new requests from now on; requests still running after ``grace_seconds`` end with
         an error naming the shutdown. Idempotent (the first call sets the deadline)."""
         with self._cond:
-            if self._drain_deadline is None:
+            if self._drain_grace is None:
                 self._drain_grace = grace_seconds
-                self._drain_deadline = time.monotonic() + grace_seconds
-                logger.warning("draining: requests in flight get up to %g s to finish", grace_seconds)
             self._cond.notify()
 
     def abort(self, request_id: str) -> None:
@@ -111,60 +86,27 @@ class EngineLoop:
 
     # ------------------------------------------------------------------------------------------
     def _run(self) -> None:
+        core = self.core
         try:
             while True:
                 with self._cond:
-                    while not (self._pending or self._aborts or self._stopping or self.engine.has_unfinished_requests()):
+                    while not (self._pending or self._aborts or self._stopping or core.has_work()
+                               or (self._drain_grace is not None and not core.draining)):
                         self._cond.wait()
-                    pending, self._pending = self._pending, deque()
-                    aborts, self._aborts = self._aborts, deque()
+                    pending, self._pending = list(self._pending), deque()
+                    aborts, self._aborts = list(self._aborts), deque()
                     stopping = self._stopping
-                    deadline = self._drain_deadline
-                outputs: list[RequestOutput] = []
+                    drain_grace = self._drain_grace
                 if stopping:
-                    self._fail_everything(pending, outputs)
-                    self.outbox.put((outputs, self.engine.stats()))
+                    self.outbox.put((core.fail_everything(self._shutdown_message, pending), core.stats()))
                     return
-                if deadline is not None and time.monotonic() >= deadline:
-                    message = (f"shutting down (server stop or model unload): the request was ended after "
-                               f"the {self._drain_grace:g} s grace period (parameter shutdown_grace_seconds)")
-                    outputs.extend(error_output(r.request_id, message, r.arrival_time) for r in pending)
-                    pending = deque()
-                    outputs.extend(self.engine.fail_all(message))
-                for request in pending:
-                    error = self._add(request)
-                    if error is not None:
-                        outputs.append(error_output(request.request_id, error, request.arrival_time))
-                for request_id in aborts:
-                    output = self.engine.abort_request(request_id)
-                    if output is not None:
-                        outputs.append(output)
-                if self.engine.has_unfinished_requests():
-                    outputs.extend(self.engine.step_or_fail_all().outputs)
-                stats = self.engine.stats()
+                if drain_grace is not None:
+                    core.begin_drain(drain_grace)
+                outputs = core.iterate(pending, aborts)
+                stats = core.stats()
                 with self._cond:
                     self._num_waiting = stats.num_waiting
                 if outputs or pending or aborts:
                     self.outbox.put((outputs, stats))
         finally:
             self.outbox.put(None)
-
-    def _add(self, request: PendingRequest) -> str | None:
-        """Adds a request to the engine; returns the error message when it is refused."""
-        try:
-            self.engine.add_request(
-                request.request_id, prompt=request.prompt, sampling_params=request.sampling_params,
-                arrival_time=request.arrival_time, add_special_tokens=request.add_special_tokens,
-                check=False,  # backend/triton made the engine's check before queueing
-            )
-            return None
-        except EngineInputError as exc:
-            return str(exc)
-        except Exception as exc:  # a tokenizer failure must not kill the loop
-            logger.exception("adding request %s failed", request.request_id)
-            return f"internal error while adding the request: {exc}"
-
-    def _fail_everything(self, pending: deque[PendingRequest], outputs: list[RequestOutput]) -> None:
-        for request in pending:
-            outputs.append(error_output(request.request_id, self._shutdown_message, request.arrival_time))
-        outputs.extend(self.engine.fail_all(self._shutdown_message))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from backend.config import ConfigError, EngineConfig, parse_engine_config
+from backend.config import GLUE_PARAMETER_NAMES, ConfigError, EngineConfig, parse_engine_config
 
 
 def set_utf8_locale() -> None:
@@ -29,8 +29,7 @@ def model_parameters(model_config: dict) -> dict[str, str]:
     return {name: value.get("string_value", "") for name, value in model_config.get("parameters", {}).items()}
 
 
-def load_llm_config(pb, args: dict, glue_parameters: frozenset[str],
-                    needs_iterative_sequence: bool = False) -> tuple[str, EngineConfig, dict[str, str]]:
+def load_llm_config(pb, args: dict, needs_iterative_sequence: bool = False) -> tuple[str, EngineConfig, dict[str, str]]:
     """(model name, engine config, raw parameters) of an LLM model, checked.
 
     Raises ConfigError naming what is wrong: not decoupled, no iterative sequence batcher when one
@@ -44,7 +43,7 @@ def load_llm_config(pb, args: dict, glue_parameters: frozenset[str],
         raise ConfigError(f"model '{model_name}': sequence_batching {{ iterative_sequence: true }} is required")
     parameters = model_parameters(model_config)
     # args["model_repository"] is this model's folder: relative paths resolve against it.
-    config = parse_engine_config(parameters, base_dir=args["model_repository"], extra_names=glue_parameters)
+    config = parse_engine_config(parameters, base_dir=args["model_repository"], extra_names=GLUE_PARAMETER_NAMES)
     return model_name, config, parameters
 
 
@@ -87,3 +86,40 @@ def build_response(pb, text: str, token_ids: list[int], finish_reason: str = "",
         tensors.append(pb.Tensor("num_output_tokens", np.array([[num_output_tokens]], dtype=np.int32)))
     tensors.extend(extra)
     return pb.InferenceResponse(output_tensors=tensors)
+
+
+def seconds_parameter(parameters: dict[str, str], name: str, default: float) -> float:
+    """A glue parameter in seconds (finite, >= 0); ``default`` when absent or empty."""
+    raw = parameters.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"parameter '{name}': expected a number of seconds, got {raw!r}") from None
+    if not (value >= 0 and value < float("inf")):
+        raise ConfigError(f"parameter '{name}': must be a finite number >= 0, got {raw!r}")
+    return value
+
+
+def bool_parameter(parameters: dict[str, str], name: str, default: bool) -> bool:
+    raw = parameters.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("true", "1", "yes", "on"):
+        return True
+    if raw in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"parameter '{name}': expected true or false, got {parameters[name]!r}")
+
+
+def engine_process_options(parameters: dict[str, str]) -> tuple[bool, float]:
+    """(run the engine core in its own process, seconds of silence after which it counts as hung)."""
+    from backend.engine_core.client import DEFAULT_HEARTBEAT_TIMEOUT_SECONDS  # noqa: PLC0415
+
+    use_process = bool_parameter(parameters, "engine_process", True)
+    timeout = seconds_parameter(parameters, "engine_heartbeat_timeout_seconds", DEFAULT_HEARTBEAT_TIMEOUT_SECONDS)
+    if timeout < 1.0:
+        raise ConfigError(f"parameter 'engine_heartbeat_timeout_seconds': must be >= 1 (the core beats every "
+                          f"0.5 s), got {parameters['engine_heartbeat_timeout_seconds']!r}")
+    return use_process, timeout

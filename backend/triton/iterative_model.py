@@ -6,16 +6,19 @@ again until it is released without the RESCHEDULE flag. Each execute() does, on 
 1. new sequences (first sight of a correlation id) are parsed with the `llm` model's rules and
    added to the engine; a bad one gets an error response + FINAL and is not rescheduled;
 2. cancelled sequences are aborted in the engine (their KV blocks are freed at once);
-3. one ``engine.step()`` -- the engine still owns the token budget and KV admission, so a sequence
-   it cannot advance this iteration gets no response and is simply rescheduled;
+3. one engine iteration (adds, aborts, one step: ``core.iterate``) -- the engine still owns the
+   token budget and KV admission, so a sequence it cannot advance this iteration gets no response
+   and is simply rescheduled;
 4. each sequence present gets one response with everything produced for it since its last
    response (FINAL when it ended), and the unfinished ones are rescheduled before returning.
 
 The engine schedules all its requests, not only the ones in this batch (with the `oldest` strategy
 Triton may hold some back): outputs of absent sequences are buffered until they come back.
-The engine step runs on one dedicated thread, execute() waits for it: measured here, torch on the
-stub's main thread (2 intra-op threads, cores shared) took 180-380 ms per decode step against 21 ms
-on a worker thread, the thread the `llm` model's engine loop runs on too. Responses follow the
+The engine runs in its own process by default (``engine_process: true``; it steps only when an
+iteration asks, backend/engine_core/sync_client.py); with ``engine_process: false`` it runs in
+this process. Either way one dedicated thread makes the calls and execute() waits for it: measured
+here, torch on the stub's main thread (2 intra-op threads, cores shared) took 180-380 ms per decode
+step against 21 ms on a worker thread. Responses follow the
 same rules as `llm`'s (backend/triton/response_state.py), flushed once per execute().
 Traps measured on Triton 2.51 (DESIGN.md): null requests (correlation id 0) fill empty slots of
 the `direct` strategy and are skipped; rescheduling only works before execute() returns; Triton's
@@ -29,8 +32,16 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from backend.engine import EngineInputError, RequestOutput
-from backend.triton.helpers import input_getter, load_llm_config, send_error, set_utf8_locale
+from backend.engine import RequestOutput
+from backend.engine_core.messages import AddRequest
+from backend.input_processor import EngineInputError
+from backend.triton.helpers import (
+    engine_process_options,
+    input_getter,
+    load_llm_config,
+    send_error,
+    set_utf8_locale,
+)
 from backend.triton.inputs import InputError, parse_request
 from backend.triton.periodic import PeriodicThread
 from backend.triton.response_state import ResponseState
@@ -60,14 +71,18 @@ class Sequence:
 class IterativeDriver:
     """The per-execute() logic, with Triton's pb_utils and the engine passed in (unit-testable).
 
-    Every method runs on the one thread that owns the engine (the model's worker thread), the
-    cancellation reaper included: no lock.
+    ``core`` is the engine: ``iterate(adds, aborts, step) -> (outputs, stats)`` and
+    ``shutdown(message)`` (backend/engine_core/sync_client.py: in this process or in its own);
+    ``inputs`` checks, renders and tokenizes requests (backend/input_processor.py). Every method
+    runs on the one thread that owns the engine (the model's worker thread), the cancellation
+    reaper included: no lock.
     """
 
-    def __init__(self, pb, engine, model_name: str, max_queue_len: int, default_max_tokens: int,
+    def __init__(self, pb, core, inputs, model_name: str, max_queue_len: int, default_max_tokens: int,
                  metrics=None, max_prompt_bytes: int | None = None):
         self.pb = pb
-        self.engine = engine
+        self.core = core
+        self.inputs = inputs
         self.model_name = model_name
         self.max_queue_len = max_queue_len
         self.default_max_tokens = default_max_tokens
@@ -75,11 +90,17 @@ class IterativeDriver:
         self.metrics = metrics
         self.sequences: dict[object, Sequence] = {}  # correlation id -> sequence
         self._by_request_id: dict[str, object] = {}  # engine request id -> correlation id
+        self._num_waiting = 0  # the engine's, after the last iteration
+        self._deferred_aborts: list[str] = []  # requests to abort with the next iteration
 
     # ------------------------------------------------------------------------------------------
     def execute(self, requests) -> None:
+        from backend.engine_core.sync_client import CoreLost  # noqa: PLC0415
+
         now = time.monotonic()
         present: dict[object, tuple[object, object]] = {}  # correlation id -> (request, sender)
+        adds: list[AddRequest] = []
+        aborts, self._deferred_aborts = self._deferred_aborts, []
         for request in requests:
             correlation_id = request.correlation_id()
             if not correlation_id:
@@ -88,7 +109,7 @@ class IterativeDriver:
             sequence = self.sequences.get(correlation_id)
             if sequence is None:
                 try:
-                    sequence = self._admit(request, sender, correlation_id, now)
+                    sequence = self._admit(request, sender, correlation_id, now, adds)
                 except Exception as exc:  # one request's failure must not fail the batch (see llm_model)
                     logger.exception("admitting a sequence failed")
                     try:
@@ -103,13 +124,17 @@ class IterativeDriver:
             present[correlation_id] = (request, sender)
             if not sequence.state.cancelled and sequence.state.final is None and _is_cancelled(request, sender):
                 sequence.state.cancelled = True
-                output = self.engine.abort_request(sequence.request_id)
-                if output is not None:
-                    self._collect(output, now)
-        self._abort_abandoned(present, now)
-        if self.engine.has_unfinished_requests():
-            for output in self.engine.step_or_fail_all().outputs:
-                self._collect(output, time.monotonic())
+                aborts.append(sequence.request_id)
+        aborts.extend(self._abandoned(present, now))
+        try:
+            outputs, stats = self.core.iterate(adds, aborts, step=True)
+        except CoreLost as exc:
+            self.lose_everything(str(exc))
+            return
+        self._num_waiting = stats.num_waiting
+        done_at = time.monotonic()
+        for output in outputs:
+            self._collect(output, done_at)
         for correlation_id, (request, sender) in present.items():
             sequence = self.sequences[correlation_id]
             try:
@@ -117,14 +142,14 @@ class IterativeDriver:
             except Exception:
                 logger.exception("sending a response for %s failed", sequence.request_id)
                 if sequence.state.final is None:  # cannot reach the client: stop generating for it
-                    self.engine.abort_request(sequence.request_id)
+                    self._deferred_aborts.append(sequence.request_id)
                 done = True
             if done:
                 self._forget(correlation_id)
             else:
                 request.set_release_flags(self.pb.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
         if self.metrics is not None:
-            self.metrics.update_engine_stats(self.engine.stats())
+            self.metrics.update_engine_stats(stats)
 
     def reap_cancelled(self) -> int:
         """Aborts sequences whose client cancelled; returns how many.
@@ -133,58 +158,64 @@ class IterativeDriver:
         handed to execute() again, so without this its engine request would run to max_tokens and
         hold its KV blocks. The watcher hands this to the engine's thread between iterations.
         """
+        from backend.engine_core.sync_client import CoreLost  # noqa: PLC0415
+
         cancelled = [(c, s) for c, s in list(self.sequences.items())
                      if s.state.final is None and not s.state.cancelled and _is_cancelled(s.last_request, s.last_sender)]
-        for correlation_id, sequence in cancelled:
-            self.engine.abort_request(sequence.request_id)
+        if not cancelled:
+            return 0
+        for correlation_id, _ in cancelled:
             if self.metrics is not None:
                 self.metrics.success["abort"].increment(1)
             self._forget(correlation_id)
-        if cancelled and self.metrics is not None:
-            self.metrics.update_engine_stats(self.engine.stats())
+        try:
+            _, stats = self.core.iterate([], [s.request_id for _, s in cancelled], step=False)
+        except CoreLost as exc:
+            self.lose_everything(str(exc))
+            return len(cancelled)
+        if self.metrics is not None:
+            self.metrics.update_engine_stats(stats)
         return len(cancelled)
 
     def fail_all(self, message: str) -> None:
-        """Unload: every live sequence gets an error and its FINAL flag where its sender still works."""
-        self.engine.fail_all(message)
+        """Unload: the engine stops, and every live sequence gets an error and its FINAL flag."""
+        self.core.shutdown(message)
+        self.lose_everything(message)
+
+    def lose_everything(self, message: str) -> None:
+        """Every live sequence gets an error and its FINAL flag where its sender still works."""
         for correlation_id, sequence in list(self.sequences.items()):
             try:
-                if sequence.last_sender is not None:
+                if sequence.last_sender is not None and sequence.state.final is None:
                     send_error(self.pb, sequence.last_sender, message)
             except Exception:
                 logger.debug("closing %s failed", sequence.request_id, exc_info=True)
             self._forget(correlation_id)
+        self._deferred_aborts.clear()
 
     # ------------------------------------------------------------------------------------------
-    def _admit(self, request, sender, correlation_id, now: float) -> Sequence | None:
+    def _admit(self, request, sender, correlation_id, now: float, adds: list[AddRequest]) -> Sequence | None:
         pb = self.pb
         try:
             parsed = parse_request(input_getter(pb, request), self.default_max_tokens,
-                                   self.engine.check_sampling_params, self.max_prompt_bytes)
-        except InputError as exc:
+                                   self.inputs.check_sampling_params, self.max_prompt_bytes)
+            prompt, add_special_tokens = parsed.prompt, True
+            if parsed.messages is not None:
+                prompt, add_special_tokens = self.inputs.render_chat(parsed.messages), False
+        except (InputError, EngineInputError) as exc:
             send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
             return None
-        waiting = self.engine.num_waiting
+        waiting = self._num_waiting + len(adds)
         if waiting >= self.max_queue_len:
             send_error(pb, sender, f"server busy: {waiting} requests are waiting (max_queue_len="
                                    f"{self.max_queue_len}); retry later", pb.TritonError.UNAVAILABLE)
             return None
         request_id = f"{self.model_name}-{correlation_id}"
-        try:
-            prompt, add_special_tokens = parsed.prompt, True
-            if parsed.messages is not None:
-                prompt, add_special_tokens = self.engine.render_chat(parsed.messages), False
-            self.engine.add_request(request_id, prompt=prompt, sampling_params=parsed.sampling_params,
-                                    arrival_time=now, add_special_tokens=add_special_tokens, check=False)
-        except EngineInputError as exc:
-            send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
-            return None
-        except Exception as exc:  # a tokenizer failure must not take the model down
-            logger.exception("adding request %s failed", request_id)
-            send_error(pb, sender, f"internal error while adding the request: {exc}")
-            return None
+        prompt_token_ids = self.inputs.tokenize(prompt, add_special_tokens)  # a failure: execute() answers
+        adds.append(AddRequest(request_id, prompt_token_ids, parsed.sampling_params, now))
         state = ResponseState(request_id, parsed.stream, parsed.exclude_input_in_output, prompt, now,
                               returns=parsed.returns, wants_logprobs=parsed.sampling_params.logprobs)
+        state.prompt_token_ids = prompt_token_ids
         sequence = Sequence(state)
         self.sequences[correlation_id] = sequence
         self._by_request_id[request_id] = correlation_id
@@ -197,12 +228,15 @@ class IterativeDriver:
         if sequence is not None:
             sequence.state.collect(output, now, self.metrics)
 
-    def _abort_abandoned(self, present: dict, now: float) -> None:
+    def _abandoned(self, present: dict, now: float) -> list[str]:
+        """Sequences Triton stopped handing us: forgotten here, their ids to abort."""
+        abandoned = []
         for correlation_id, sequence in list(self.sequences.items()):
             if correlation_id not in present and now - sequence.last_seen > ABANDONED_SECONDS:
                 logger.warning("%s: Triton stopped scheduling it; aborting", sequence.request_id)
-                self.engine.abort_request(sequence.request_id)
+                abandoned.append(sequence.request_id)
                 self._forget(correlation_id)
+        return abandoned
 
     def _forget(self, correlation_id) -> None:
         sequence = self.sequences.pop(correlation_id, None)
@@ -254,13 +288,15 @@ class TritonPythonModel:
         set_utf8_locale()
         import triton_python_backend_utils as pb_utils  # noqa: PLC0415 (only inside the stub)
 
-        from backend.engine import LLMEngine  # noqa: PLC0415
         from backend.triton.metrics import TritonMetrics  # noqa: PLC0415
 
-        model_name, config, _ = load_llm_config(pb_utils, args, frozenset(), needs_iterative_sequence=True)
+        model_name, config, parameters = load_llm_config(pb_utils, args, needs_iterative_sequence=True)
+        use_process, heartbeat_timeout = engine_process_options(parameters)
         self.metrics = TritonMetrics(pb_utils, model_name)
+        core, inputs = (self._start_engine_core(model_name, config, heartbeat_timeout) if use_process
+                        else self._start_in_process(config))
         self.driver = IterativeDriver(
-            pb_utils, LLMEngine(config), model_name, config.scheduler.max_queue_len,
+            pb_utils, core, inputs, model_name, config.scheduler.max_queue_len,
             config.scheduler.default_max_tokens, self.metrics, config.model.prompt_byte_limit,
         )
         # See the module docstring: the engine is much slower on the stub's main thread. It is
@@ -268,6 +304,32 @@ class TritonPythonModel:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-iterative-engine")
         self.watcher = CancelWatcher(self.driver, self.worker)
         self.watcher.start()
+
+    def _start_engine_core(self, model_name: str, config, heartbeat_timeout: float):
+        """The engine in its own process, stepping on demand (backend/engine_core/sync_client.py)."""
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        from backend.config import ConfigError  # noqa: PLC0415
+        from backend.engine_core.process_handle import CoreStartError  # noqa: PLC0415
+        from backend.engine_core.sync_client import SyncEngineCoreClient  # noqa: PLC0415
+        from backend.input_processor import InputProcessor  # noqa: PLC0415
+
+        metrics = self.metrics
+        core = SyncEngineCoreClient(config, heartbeat_timeout,
+                                    on_restart=lambda reason: metrics.engine_restarts.increment(1))
+        try:
+            ready = core.start()
+        except CoreStartError as exc:
+            raise ConfigError(f"model '{model_name}': {exc}") from None
+        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_dir)
+        return core, InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len)
+
+    def _start_in_process(self, config):
+        from backend.engine import LLMEngine  # noqa: PLC0415
+        from backend.engine_core.sync_client import InProcessCore  # noqa: PLC0415
+
+        engine = LLMEngine(config)
+        return InProcessCore(engine), engine.input_processor
 
     def execute(self, requests):
         self.worker.submit(self.driver.execute, requests).result()

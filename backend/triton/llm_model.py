@@ -1,10 +1,13 @@
 """The `llm` model: a decoupled Python model in front of the continuous-batching engine.
 
 How one request flows: ``execute()`` (Triton's thread) reads and checks its tensors
-(backend/triton/inputs.py, with the engine's one check), renders chat messages, and hands it to the
-engine thread (backend/triton/engine_loop.py) together with its response state; the engine thread
-tokenizes, adds and steps it (backend/engine.py); the response thread (backend/triton/responder.py)
-sends its responses and its FINAL flag. execute() returns None at once and never raises: a bad
+(backend/triton/inputs.py, with the one check of backend/input_processor.py), renders chat
+messages, tokenizes, and hands the request to the engine together with its response state. The
+engine runs in its own process by default (``engine_process: true``, backend/engine_core: the
+stub's threads then no longer share a GIL with the forward pass, and a crashing engine costs its
+requests an error, not the server), or on a thread of this process (backend/triton/engine_loop.py,
+same interface). The response thread (backend/triton/responder.py) sends each request's responses
+and its FINAL flag. execute() returns None at once and never raises: a bad
 request gets an error response naming the field, the others go on. This follows vllm_backend's
 threads and TensorRT-LLM's tensor names.
 """
@@ -15,28 +18,19 @@ import itertools
 import logging
 import time
 
-from backend.config import ConfigError
-from backend.triton.helpers import input_getter, load_llm_config, send_error, set_utf8_locale
+from backend.triton.helpers import (
+    engine_process_options,
+    input_getter,
+    load_llm_config,
+    seconds_parameter,
+    send_error,
+    set_utf8_locale,
+)
 
 logger = logging.getLogger(__name__)
 
-# Parameters of config.pbtxt that belong to this glue, not to the engine.
-GLUE_PARAMETERS = frozenset({"shutdown_grace_seconds", "triton_http_url"})
 # Below Triton's default --exit-timeout-secs (30 s), which ends the server whatever is in flight.
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 20.0
-
-
-def shutdown_grace_seconds(parameters: dict[str, str]) -> float:
-    raw = parameters.get("shutdown_grace_seconds", "")
-    if not raw.strip():
-        return DEFAULT_SHUTDOWN_GRACE_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"parameter 'shutdown_grace_seconds': expected a number of seconds, got {raw!r}") from None
-    if not (value >= 0 and value < float("inf")):
-        raise ConfigError(f"parameter 'shutdown_grace_seconds': must be a finite number >= 0, got {raw!r}")
-    return value
 
 
 class TritonPythonModel:
@@ -46,22 +40,52 @@ class TritonPythonModel:
         set_utf8_locale()
         import triton_python_backend_utils as pb_utils  # noqa: PLC0415 (only inside the stub)
 
-        from backend.engine import LLMEngine  # noqa: PLC0415
-        from backend.triton.engine_loop import EngineLoop  # noqa: PLC0415
         from backend.triton.metrics import TritonMetrics  # noqa: PLC0415
         from backend.triton.responder import Responder  # noqa: PLC0415
 
         self.pb = pb_utils
-        self.model_name, self.config, parameters = load_llm_config(pb_utils, args, GLUE_PARAMETERS)
-        grace = shutdown_grace_seconds(parameters)
-        self.engine = LLMEngine(self.config)
+        self.model_name, self.config, parameters = load_llm_config(pb_utils, args)
+        grace = seconds_parameter(parameters, "shutdown_grace_seconds", DEFAULT_SHUTDOWN_GRACE_SECONDS)
+        use_process, heartbeat_timeout = engine_process_options(parameters)
         self.metrics = TritonMetrics(pb_utils, self.model_name)
-        self.loop = EngineLoop(self.engine, self.config.scheduler.max_queue_len)
-        self.responder = Responder(pb_utils, self.loop, self.metrics, self.engine.tokenizer)
+        if use_process:
+            self.loop, self.inputs = self._start_engine_core(heartbeat_timeout)
+        else:
+            self.loop, self.inputs = self._start_engine_thread()
+        self.responder = Responder(pb_utils, self.loop, self.metrics, self.inputs.tokenizer)
         self._ids = itertools.count()
-        self.loop.start()
         self.responder.start()
         self.unload_watcher = self._start_unload_watcher(parameters, str(args.get("model_version", "")), grace)
+
+    def _start_engine_core(self, heartbeat_timeout: float):
+        """The engine in its own process (backend/engine_core); tokenizing and checks stay here."""
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        from backend.config import ConfigError  # noqa: PLC0415
+        from backend.engine_core.client import EngineCoreClient  # noqa: PLC0415
+        from backend.engine_core.process_handle import CoreStartError  # noqa: PLC0415
+        from backend.input_processor import InputProcessor  # noqa: PLC0415
+
+        metrics = self.metrics
+        client = EngineCoreClient(self.config, self.config.scheduler.max_queue_len, heartbeat_timeout,
+                                  on_restart=lambda reason: metrics.engine_restarts.increment(1),
+                                  on_ipc=metrics.core_ipc.observe)
+        try:
+            ready = client.start()
+        except CoreStartError as exc:
+            raise ConfigError(f"model '{self.model_name}': {exc}") from None
+        tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_dir)
+        return client, InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len)
+
+    def _start_engine_thread(self):
+        """``engine_process: false``: the engine on a thread of this process (debugging, comparison)."""
+        from backend.engine import LLMEngine  # noqa: PLC0415
+        from backend.triton.engine_loop import EngineLoop  # noqa: PLC0415
+
+        engine = LLMEngine(self.config)
+        loop = EngineLoop(engine, self.config.scheduler.max_queue_len)
+        loop.start()
+        return loop, engine.input_processor
 
     def _start_unload_watcher(self, parameters: dict[str, str], version: str, grace: float):
         """Drains on server stop or unload (backend/triton/drain.py); None when Triton's HTTP is off."""
@@ -102,8 +126,9 @@ class TritonPythonModel:
         return None
 
     def _admit(self, request, sender) -> None:
-        from backend.engine import EngineInputError  # noqa: PLC0415
-        from backend.triton.engine_loop import BusyError, PendingRequest  # noqa: PLC0415
+        from backend.engine_core.messages import AddRequest  # noqa: PLC0415
+        from backend.input_processor import EngineInputError  # noqa: PLC0415
+        from backend.triton.engine_loop import BusyError  # noqa: PLC0415
         from backend.triton.inputs import InputError, parse_request  # noqa: PLC0415
         from backend.triton.responder import ActiveRequest  # noqa: PLC0415
         from backend.triton.response_state import ResponseState  # noqa: PLC0415
@@ -113,16 +138,18 @@ class TritonPythonModel:
         request_id = f"{self.model_name}-{next(self._ids)}"
         try:
             parsed = parse_request(input_getter(pb, request), self.config.scheduler.default_max_tokens,
-                                   self.engine.check_sampling_params, self.config.model.prompt_byte_limit)
+                                   self.inputs.check_sampling_params, self.config.model.prompt_byte_limit)
             prompt, add_special_tokens = parsed.prompt, True
             if parsed.messages is not None:
-                prompt, add_special_tokens = self.engine.render_chat(parsed.messages), False
+                prompt, add_special_tokens = self.inputs.render_chat(parsed.messages), False
         except (InputError, EngineInputError) as exc:
             send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
             return
+        prompt_token_ids = self.inputs.tokenize(prompt, add_special_tokens)  # a failure: execute() answers
         state = ResponseState(request_id, parsed.stream, parsed.exclude_input_in_output, prompt, arrival_time,
                               returns=parsed.returns, wants_logprobs=parsed.sampling_params.logprobs)
-        pending = PendingRequest(request_id, prompt, parsed.sampling_params, arrival_time, add_special_tokens)
+        state.prompt_token_ids = prompt_token_ids
+        pending = AddRequest(request_id, prompt_token_ids, parsed.sampling_params, arrival_time)
         try:
             self.loop.submit(pending, on_accept=lambda: self.responder.register(ActiveRequest(state, sender)))
         except BusyError as exc:

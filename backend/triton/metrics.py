@@ -14,6 +14,7 @@ from backend.request import FinishReason
 
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+IPC_BUCKETS = [0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1]
 TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISH_REASONS = ("length", "stop", "eos", "abort", "error")
 
@@ -94,6 +95,10 @@ class TritonMetrics:
         _, self.running = make("llm_num_requests_running", "Requests in the running batch", G)
         _, self.waiting = make("llm_num_requests_waiting", "Requests waiting to be scheduled", G)
         _, self.kv_usage = make("llm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", G)
+        _, self.engine_restarts = make("llm_engine_restarts_total",
+                                      "Engine-core processes that died or hung and were restarted", C)
+        _, self.core_ipc = make("llm_engine_core_ipc_seconds",
+                                "A step's outputs from the engine-core process to the front end", H, IPC_BUCKETS)
         self._last_stats: EngineStats | None = None
 
     def update_engine_stats(self, stats: EngineStats) -> None:

@@ -10,9 +10,12 @@ import pytest
 
 from backend.config import engine_config_from_model_folder
 from backend.engine import LLMEngine
+from backend.engine_core.client import EngineCoreClient
+from backend.engine_core.core import BusyError
+from backend.engine_core.messages import AddRequest
 from backend.request import SamplingParams
 from backend.triton.drain import UnloadWatcher, http_readiness_probe, http_url_from_command_line
-from backend.triton.engine_loop import BusyError, EngineLoop, PendingRequest
+from backend.triton.engine_loop import EngineLoop
 from tests.conftest import DEMO_REPOSITORY
 
 
@@ -101,37 +104,49 @@ def engine(demo_model_dir):
     return LLMEngine(engine_config_from_model_folder(str(DEMO_REPOSITORY / "llm")))
 
 
-def collect_finals(loop: EngineLoop, request_ids: set[str], timeout: float = 60.0):
-    finals = {}
+@pytest.fixture(params=["thread", "process"])
+def loop(request, engine):
+    """The `llm` model's two engines: on a thread of this process, and in a process of its own."""
+    if request.param == "thread":
+        made = EngineLoop(engine, max_queue_len=16)
+    else:
+        made = EngineCoreClient(engine.config, max_queue_len=16)
+    made.start()
+    yield made
+    made.stop(timeout=10)
+
+
+def request(request_id: str, prompt: str, engine, **params) -> AddRequest:
+    return AddRequest(request_id, engine.tokenize(prompt), SamplingParams(**params), time.monotonic())
+
+
+def collect_finals(loop, request_ids: set[str], timeout: float = 60.0):
+    """The final outputs of these requests, and the engine statistics that came last."""
+    finals, stats = {}, None
     deadline = time.monotonic() + timeout
     while set(finals) != request_ids and time.monotonic() < deadline:
         item = loop.outbox.get(timeout=timeout)
         assert item is not None
+        stats = item[1]
         for output in item[0]:
             if output.finished:
                 finals[output.request_id] = output
-    return finals
+    return finals, stats
 
 
-def test_draining_refuses_new_requests_lets_short_ones_finish_and_ends_the_rest(engine):
-    loop = EngineLoop(engine, max_queue_len=16)
-    loop.start()
-    try:
-        now = time.monotonic()
-        loop.submit(PendingRequest("short", "a short one", SamplingParams(max_tokens=4, ignore_eos=True), now))
-        loop.submit(PendingRequest("long", "a long one", SamplingParams(max_tokens=1900, ignore_eos=True), now))
-        loop.begin_drain(grace_seconds=1.0)
-        started = time.monotonic()
-        accepted = []
-        with pytest.raises(BusyError, match="shutting down"):
-            loop.submit(PendingRequest("late", "too late", SamplingParams(max_tokens=4), now),
-                        on_accept=lambda: accepted.append(True))
-        assert not accepted  # a refused request is never handed to the responder
-        finals = collect_finals(loop, {"short", "long"})
-        assert finals["short"].error is None and finals["short"].num_output_tokens == 4
-        assert "shutting down" in finals["long"].error and "shutdown_grace_seconds" in finals["long"].error
-        assert 0 < finals["long"].num_output_tokens < 1900
-        assert 0.9 < time.monotonic() - started < 10
-        assert not engine.has_unfinished_requests() and engine.kv_cache_manager.usage == 0.0
-    finally:
-        loop.stop(timeout=10)
+def test_draining_refuses_new_requests_lets_short_ones_finish_and_ends_the_rest(loop, engine):
+    loop.submit(request("short", "a short one", engine, max_tokens=4, ignore_eos=True))
+    loop.submit(request("long", "a long one", engine, max_tokens=1900, ignore_eos=True))
+    time.sleep(0.2)
+    loop.begin_drain(grace_seconds=1.0)
+    started = time.monotonic()
+    accepted = []
+    with pytest.raises(BusyError, match="shutting down"):
+        loop.submit(request("late", "too late", engine, max_tokens=4), on_accept=lambda: accepted.append(True))
+    assert not accepted  # a refused request is never handed to the responder
+    finals, stats = collect_finals(loop, {"short", "long"})
+    assert finals["short"].error is None and finals["short"].num_output_tokens == 4
+    assert "shutting down" in finals["long"].error and "shutdown_grace_seconds" in finals["long"].error
+    assert 0 < finals["long"].num_output_tokens < 1900
+    assert 0.7 < time.monotonic() - started < 10
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0

@@ -1,4 +1,4 @@
-"""IterativeDriver (the `llm_iterative` model's per-execute() logic) with fake pb_utils and engine.
+"""IterativeDriver (the `llm_iterative` model's per-execute() logic) with fake pb_utils and engine core.
 
 Covers the sequence-batcher contract without a server: null requests skipped, bad input answered
 once and not rescheduled, outputs of sequences absent from a batch buffered and sent merged when
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from backend.engine import RequestOutput, StepOutput, StepStats
+from backend.engine import EngineStats, RequestOutput
 from backend.request import FinishReason
 from backend.triton.iterative_model import IterativeDriver
 
@@ -72,37 +72,37 @@ def output(request_id, token, finished=False):
                          FinishReason.LENGTH if finished else None, 3, 2)
 
 
-class FakeEngine:
+class FakeCore:
+    """The engine as the driver sees it: one ``iterate`` per call; ``script`` holds the steps' outputs."""
+
     def __init__(self):
         self.added, self.aborted, self.script = [], [], []
-        self.num_waiting = 0
 
-    def add_request(self, request_id, prompt, sampling_params, arrival_time, add_special_tokens=True, check=True):
-        self.added.append(request_id)
+    def iterate(self, adds, aborts, step):
+        self.added.extend(add.request_id for add in adds)
+        outputs = []
+        for request_id in aborts:
+            self.aborted.append(request_id)
+            outputs.append(RequestOutput(request_id, [], "", True, FinishReason.ABORT, 3, 0))
+        if step and self.script:
+            outputs.extend(self.script.pop(0))
+        return outputs, EngineStats(0, 0, 0.0, 16, 0, 0, 0)
 
+    def shutdown(self, message):
+        pass
+
+
+class FakeInputs:
     def check_sampling_params(self, params):
         params.validate()
 
-    def abort_request(self, request_id):
-        self.aborted.append(request_id)
-        return RequestOutput(request_id, [], "", True, FinishReason.ABORT, 3, 0)
-
-    def has_unfinished_requests(self):
-        return True
-
-    def step(self):
-        return self.script.pop(0) if self.script else []
-
-    def step_or_fail_all(self):
-        return StepOutput(self.step(), StepStats())
-
-    def fail_all(self, message):
-        return []
+    def tokenize(self, prompt, add_special_tokens=True):
+        return [ord(c) for c in prompt]
 
 
 def make_driver():
-    engine = FakeEngine()
-    return IterativeDriver(make_pb(), engine, "m", max_queue_len=8, default_max_tokens=4), engine
+    core = FakeCore()
+    return IterativeDriver(make_pb(), core, FakeInputs(), "m", max_queue_len=8, default_max_tokens=4), core
 
 
 def texts(sender):

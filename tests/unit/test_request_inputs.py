@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from backend.engine import LLMEngine
+from backend.input_processor import InputProcessor
 from backend.triton.inputs import InputError, parse_request
 
 
@@ -31,7 +29,7 @@ def tensors(**values):
 
 # The engine's one check, on an engine of max_model_len 1001 and a 50,000-token vocabulary (the
 # method needs nothing else of the engine).
-CHECK = functools.partial(LLMEngine.check_sampling_params, SimpleNamespace(max_model_len=1001, vocab_size=50000))
+CHECK = InputProcessor(None, vocab_size=50000, max_model_len=1001).check_sampling_params
 
 
 def parse(**values):

@@ -1,0 +1,56 @@
+"""What a request needs before the engine core sees it: its sampling check, its chat prompt, its token ids.
+
+This runs in the front end (Triton's stub process) when the engine core has its own process, and
+inside ``LLMEngine`` otherwise: one check, one chat rendering and one tokenization for both. It
+needs the tokenizer and two numbers of the model (vocabulary size and max_model_len), not the model.
+"""
+
+from __future__ import annotations
+
+from backend.request import SamplingParams, SamplingParamsError
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot take; the message names the field."""
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt of a chat: the checkpoint's chat template with the generation prompt added.
+
+        Tokenize it with ``add_special_tokens=False`` (templates write their own BOS), as
+        transformers' ``apply_chat_template(tokenize=True)`` and vLLM's chat endpoint do.
+        Raises EngineInputError naming ``messages``.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise EngineInputError("messages: this model has no chat template; send text_input instead")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template may raise on role orders it does not support
+            raise EngineInputError(f"messages: the chat template refused them ({type(exc).__name__}: {exc})") from None
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """The one check of a request's sampling parameters; raises EngineInputError naming the field.
+
+        What depends on the prompt (its length against max_model_len and the KV pool) is checked
+        by the engine once the request arrives (``LLMEngine.add_request``).
+        """
+        try:
+            params.validate()
+        except SamplingParamsError as exc:
+            raise EngineInputError(str(exc)) from None
+        if params.max_tokens >= self.max_model_len:
+            raise EngineInputError(f"max_tokens: {params.max_tokens} is above the limit {self.max_model_len - 1}")
+        bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop_ids:
+            raise EngineInputError(
+                f"stop_token_ids: {bad_stop_ids[0]} is not a token id of this model (ids are in [0, {self.vocab_size}))"
+            )
