@@ -1,11 +1,14 @@
 """One workload, one model, every system one after the other, one table of ratios.
 
-    .venv/bin/python -m perf.compare [--systems triton,engine,vllm,hf-continuous,hf-static] \\
+    .venv/bin/python -m perf.compare [--systems triton,triton-thread,engine,vllm,hf-continuous,hf-static] \\
         [--num-requests 32] [--input-len uniform:32:256] [--output-len uniform:32:128] [--out-dir DIR]
 
 Systems (same prompts, same forced output lengths, greedy, same dtype):
 
-* ``triton``: our ``llm`` model in tritonserver, gRPC streaming through client.bench;
+* ``triton``: our ``llm`` model in tritonserver, gRPC streaming through client.bench (the engine
+  core in its own process, the default; the engine-core IPC cost per step comes from the
+  server's ``llm_engine_core_ipc_seconds`` histogram);
+* ``triton-thread``: the same with ``engine_process: false`` (the engine on a thread of the stub);
 * ``engine``: our engine in-process (perf.compare.engine_in_process), no server;
 * ``vllm``: vLLM's CPU build from ``make peers`` through its OpenAI streaming endpoint, with the
   same load generator (``--api openai``); run in the ``default`` and ``tuned`` setups
@@ -42,7 +45,42 @@ from perf.compare.cpu_meter import CpuMeter
 from perf.compare.report import SystemResult, markdown_report, write_plot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ALL_SYSTEMS = ("triton", "engine", "vllm", "hf-continuous", "hf-static")
+ALL_SYSTEMS = ("triton", "triton-thread", "engine", "vllm", "hf-continuous", "hf-static")
+
+
+TRITON_THREAD_NAME = "In-thread engine, Triton llm (engine_process false)"
+
+
+def run_triton(args, items, warmup, pattern, in_thread: bool):
+    """Our `llm` model in tritonserver: (completed, duration, CpuMeter, engine-core IPC summary or None)."""
+    from backend.launcher import start_server
+    from perf.compare.histogram import histogram_median, scrape_histogram
+    from perf.compare.repository import repository_with_overrides
+
+    overrides = {}
+    if args.dtype != "float32":  # the server must load the same engine settings as the in-process run
+        overrides["dtype"] = args.dtype
+    if in_thread:
+        overrides["engine_process"] = "false"
+    repository = args.model_repository
+    if overrides:
+        repository = repository_with_overrides(Path(args.model_repository), args.model, overrides,
+                                               REPO_ROOT / "build" / "compare_repository")
+    server = start_server(repository, ready_timeout=300)
+    try:
+        run_workload(server.grpc_url, args.model, warmup, ArrivalPattern("concurrency", 1))
+        before = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
+        cpu = CpuMeter(server.process.pid)
+        label = ("triton-thread " if in_thread else "triton ") + pattern.label
+        with Progress(label, len(items), args.progress_interval) as progress:
+            completed, duration = run_workload(server.grpc_url, args.model, items, pattern, seed=args.seed,
+                                               progress=progress, api=API_TRITON)
+        cpu.stop()
+        after = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
+    finally:
+        server.stop()
+    ipc = histogram_median(before, after)
+    return completed, duration, cpu, ipc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,25 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     for system in systems:
         load_before = os.getloadavg()[0]
         print(f"\n== {system} ==", flush=True)
-        if system == "triton":
-            from backend.launcher import start_server
-            from perf.compare.repository import repository_with_overrides
-
-            repository = args.model_repository
-            if args.dtype != "float32":  # the server must load the same engine settings as the in-process run
-                repository = repository_with_overrides(Path(args.model_repository), args.model, {"dtype": args.dtype},
-                                                       REPO_ROOT / "build" / "compare_repository")
-            server = start_server(repository, ready_timeout=300)
-            try:
-                run_workload(server.grpc_url, args.model, warmup, ArrivalPattern("concurrency", 1))
-                cpu = CpuMeter(server.process.pid)
-                with Progress("triton " + pattern.label, len(items), args.progress_interval) as progress:
-                    completed, duration = run_workload(server.grpc_url, args.model, items, pattern, seed=args.seed,
-                                                       progress=progress, api=API_TRITON)
-                cpu.stop()
-            finally:
-                server.stop()
-            note(served_result("Triton llm (gRPC streaming)", completed, duration, load_before, cpu))
+        if system in ("triton", "triton-thread"):
+            in_thread = system == "triton-thread"
+            completed, duration, cpu, ipc = run_triton(args, items, warmup, pattern, in_thread)
+            if ipc is not None:
+                extra.setdefault("engine_core_ipc", {})[system] = ipc
+                print(f"  engine-core IPC per step: median {ipc['median_us']:.0f} us over {ipc['count']} steps")
+            name = TRITON_THREAD_NAME if in_thread else "Triton llm (gRPC streaming)"
+            note(served_result(name, completed, duration, load_before, cpu))
         elif system == "engine":
             from perf.compare.engine_in_process import run_engine_in_process
 

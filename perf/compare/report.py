@@ -129,8 +129,31 @@ def markdown_report(document: dict, results: list[SystemResult]) -> str:
     if best_vllm and triton:
         headline.append(f"- Triton llm / best vLLM ({best_vllm.name}): **{_ratio(triton, best_vllm)}**")
     if triton and engine:
-        headline.append(f"- Triton llm / engine in-process: **{_ratio(triton, engine)}** (target >= 0.9x)")
+        headline.append(f"- Triton llm / engine in-process: **{_ratio(triton, engine)}** (target >= 0.95x)")
+    in_thread = _find(results, "In-thread engine")
+    for served in (triton, in_thread):
+        if served is None or engine is None:
+            continue
+        headline.append(f"- {served.name} / engine in-process: {_ratio(served, engine)} output tok/s, TTFT p50 "
+                        f"{_relative(served.ttft_p50_ms, engine.ttft_p50_ms)}, ITL p50 "
+                        f"{_relative(served.itl_p50_ms, engine.itl_p50_ms)} (targets: within 10%)")
+    for r in results:
+        if r.server_cpu_s is not None and r.output_tokens:
+            total = r.server_cpu_s + (r.client_cpu_s or 0.0)
+            headline.append(f"- CPU ms per output token, {r.name}: {1000 * total / r.output_tokens:.2f} "
+                            f"(server {1000 * r.server_cpu_s / r.output_tokens:.2f})")
+    ipc = document.get("systems", {}).get("engine_core_ipc", {})
+    for system, summary in ipc.items():
+        headline.append(f"- engine-core IPC per step ({system}): median {summary['median_us']:.0f} us "
+                        f"over {summary['count']} steps")
     return "\n".join(lines + headline) + "\n"
+
+
+def _relative(value: float | None, reference: float | None) -> str:
+    """``value`` against ``reference`` as a signed percentage (+12% is 12% slower for a latency)."""
+    if value is None or not reference:
+        return "-"
+    return f"{100 * (value / reference - 1):+.0f}%"
 
 
 def write_plot(results: list[SystemResult], path: str | Path) -> str:

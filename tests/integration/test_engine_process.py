@@ -1,0 +1,157 @@
+"""The engine core in its own process, through a real tritonserver (issue 14).
+
+Greedy text of 32 concurrent mixed streams equals the engine in-process with ``engine_process``
+true and false; kill -9 of the core mid-stream ends every stream with one error final within 10 s,
+the restart counter says 1 and the next request is served; unload, reload and server stop leave
+no core process. (Cancellation bringing KV usage back to its baseline runs on the default, core
+process, configuration in test_reliability_load.py's cancel storm.)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import tritonclient.http as httpclient
+
+from backend.config import engine_config_from_model_folder
+from backend.engine import LLMEngine
+from backend.launcher import live_processes_in_group
+from backend.request import SamplingParams
+from client.stream import StreamingClient
+from tests.integration.conftest import MODEL_REPOSITORY
+from tests.integration.test_llm_model import metric, read_metrics
+
+pytestmark = pytest.mark.integration
+
+CORE_MODULE = b"backend.engine_core.core_process"
+
+
+def core_pids(server) -> list[int]:
+    """Engine-core processes in the server's process group (they inherit it from the stub)."""
+    found = []
+    for pid in live_processes_in_group(server.process.pid):
+        try:
+            if CORE_MODULE in open(f"/proc/{pid}/cmdline", "rb").read():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def mixed_jobs(count: int, seed: int = 14) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    words = "the a model server token batch stream cache block prefix engine core text".split()
+    return [(" ".join(rng.choice(words) for _ in range(rng.randint(1, 60))), rng.randint(1, 48))
+            for _ in range(count)]
+
+
+def stream_all(url: str, jobs: list[tuple[str, int]], timeout: float = 180.0) -> list:
+    """One streaming request per job, all at once; a StreamResult (or the exception) per job."""
+    results: list = [None] * len(jobs)
+
+    def worker(index: int, prompt: str, max_tokens: int) -> None:
+        try:
+            with StreamingClient(url) as client:
+                results[index] = client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, stream=True,
+                                                 timeout=timeout)
+        except Exception as exc:
+            results[index] = exc
+
+    threads = [threading.Thread(target=worker, args=(i, p, n), daemon=True) for i, (p, n) in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 30)
+    return results
+
+
+@pytest.fixture(scope="module")
+def offline_engine(demo_model_dir):
+    return LLMEngine(engine_config_from_model_folder(str(MODEL_REPOSITORY / "llm")))
+
+
+@pytest.mark.parametrize("engine_process", ["true", "false"])
+def test_32_mixed_streams_through_triton_equal_the_engine_in_process(make_server, offline_engine, engine_process):
+    server = make_server({"engine_process": engine_process})
+    assert len(core_pids(server)) == (1 if engine_process == "true" else 0)
+    jobs = mixed_jobs(32)
+    expected = offline_engine.generate([p for p, _ in jobs], [SamplingParams(max_tokens=n, ignore_eos=True)
+                                                              for _, n in jobs])
+    results = stream_all(server.grpc_url, jobs)
+    for (prompt, max_tokens), result, want in zip(jobs, results, expected, strict=True):
+        assert not isinstance(result, Exception), result
+        assert result.error is None and result.num_final == 1
+        assert result.text == want.text, prompt
+        assert len(result.token_ids) == max_tokens
+    values = read_metrics(server)  # exact counters: every streamed token counted once, TTFT once each
+    assert metric(values, "llm_generation_tokens_total") == sum(n for _, n in jobs)
+    assert metric(values, "llm_time_to_first_token_seconds_count") == len(jobs)
+
+
+def test_kill_9_of_the_core_mid_stream_costs_errors_not_the_server(make_server):
+    server = make_server({"engine_heartbeat_timeout_seconds": "5"})
+    (old_core,) = core_pids(server)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.extend(
+        stream_all(server.grpc_url, [(f"stream {i}", 1900) for i in range(8)], timeout=60)), daemon=True)
+    thread.start()
+    def all_streaming():  # every stream is decoding: each step gives each one a token
+        values = read_metrics(server)
+        return (metric(values, "llm_num_requests_running") == 8
+                and metric(values, "llm_generation_tokens_total") >= 8 * 8)
+
+    wait_for(all_streaming, 60, "every stream to produce tokens")
+    os.kill(old_core, signal.SIGKILL)
+    killed_at = time.monotonic()
+    thread.join(60)
+    assert len(results) == 8
+    for result in results:
+        assert not isinstance(result, Exception), result
+        assert result.num_final == 1 and result.error is not None
+        assert "engine core process died" in result.error and "SIGKILL" in result.error
+        assert result.end_time - killed_at < 10
+        assert 0 < len(result.token_ids) < 1900  # they were mid-stream
+    assert metric(read_metrics(server), "llm_engine_restarts_total") == 1
+
+    def served():
+        with StreamingClient(server.grpc_url) as client:
+            result = client.generate("after the crash", max_tokens=4, ignore_eos=True, timeout=30)
+        return result if result.error is None else None  # busy while the new core loads
+
+    result = wait_for(served, 60, "a request served by the new core")
+    assert len(result.token_ids) == 4
+    (new_core,) = core_pids(server)
+    assert new_core != old_core and server.process.poll() is None
+
+
+def test_unload_reload_and_stop_leave_no_core_process(make_server):
+    server = make_server(extra_args=["--model-control-mode=explicit", "--load-model=llm"])
+    http = httpclient.InferenceServerClient(server.http_url)
+    (first,) = core_pids(server)
+    http.unload_model("llm")
+    wait_for(lambda: not core_pids(server), 60, "the core to stop on unload")
+    http.load_model("llm")
+    assert http.is_model_ready("llm")
+    (second,) = core_pids(server)
+    assert second != first
+    with StreamingClient(server.grpc_url) as client:
+        assert client.generate("reloaded", max_tokens=3, ignore_eos=True).error is None
+    server.stop()
+    assert not live_processes_in_group(server.process.pid)
+    for pid in (first, second):
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
