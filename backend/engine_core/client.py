@@ -59,6 +59,7 @@ class EngineCoreClient:
         self._process = CoreProcess(config, autostep=True)
         self._lock = threading.Lock()  # the input socket and everything below
         self._active: set[str] = set()  # submitted, no final output seen yet
+        self._outgoing: list[AddRequest] = []  # submitted, not sent yet (see flush)
         self._adds_sent = 0  # to this core
         self._adds_seen = 0  # by this core, as of its last message
         self._num_waiting = 0  # the core's, as of its last message
@@ -81,8 +82,8 @@ class EngineCoreClient:
 
     # ------------------------------------------------------------------------------------------
     def submit(self, request: AddRequest, on_accept: Callable[[], None] | None = None) -> None:
-        """Sends a request to the core; raises BusyError beyond max_queue_len waiting, while draining
-        or restarting. ``on_accept`` runs before it is sent (see EngineLoop.submit)."""
+        """Queues a request for the core (``flush`` sends it); raises BusyError beyond max_queue_len
+        waiting, while draining or restarting. ``on_accept`` runs first (see EngineLoop.submit)."""
         with self._lock:
             if self._stopping:
                 raise BusyError(self._shutdown_message)
@@ -97,11 +98,23 @@ class EngineCoreClient:
                 on_accept()
             self._active.add(request.request_id)
             self._adds_sent += 1
-            self._process.send(CoreInput(adds=[request]))  # a lost core is the reader's to notice
+            self._outgoing.append(request)
+
+    def flush(self) -> None:
+        """Sends the requests submitted since the last flush, in one message (execute() calls it
+        once per batch Triton hands it)."""
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if self._outgoing and self._available:
+            self._process.send(CoreInput(adds=self._outgoing))  # a lost core is the reader's to notice
+        self._outgoing = []
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             if request_id in self._active and self._available:
+                self._flush_locked()  # the abort must not overtake its request
                 self._process.send(CoreInput(aborts=[request_id]))
 
     def begin_drain(self, grace_seconds: float) -> None:
@@ -184,6 +197,7 @@ class EngineCoreClient:
         logger.error("%s: failing its requests and starting a new one", reason)
         with self._lock:
             self._available = False
+            self._outgoing = []  # in _active: failed below
         self._fail_active(f"internal error: {reason}; the request was lost (the engine core is restarting)")
         self.restarts += 1
         if self.on_restart is not None:

@@ -61,6 +61,9 @@ class EngineLoop:
             self._pending.append(request)
             self._cond.notify()
 
+    def flush(self) -> None:
+        """Nothing to do: ``submit`` already woke the loop (EngineCoreClient batches here)."""
+
     def begin_drain(self, grace_seconds: float) -> None:
         """Refuses new requests from now on; requests still running after ``grace_seconds`` end with
         an error naming the shutdown. Idempotent (the first call sets the deadline)."""

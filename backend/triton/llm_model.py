@@ -123,6 +123,10 @@ class TritonPythonModel:
                                    f"{type(exc).__name__}: {exc}", self.pb.TritonError.INTERNAL)
                     except Exception:
                         logger.exception("sending an error response failed")
+        try:
+            self.loop.flush()  # the batch's requests go to the engine in one message
+        except Exception:
+            logger.exception("handing the batch to the engine failed")
         return None
 
     def _admit(self, request, sender) -> None:

@@ -42,7 +42,7 @@ from client.bench.runner import API_OPENAI, API_TRITON, count_length_mismatches,
 from client.bench.stats import compute_metrics
 from client.bench.workload import build_workload
 from perf.compare.cpu_meter import CpuMeter
-from perf.compare.report import SystemResult, markdown_report, write_plot
+from perf.compare.report import SystemResult, markdown_report, medians_report, write_plot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ALL_SYSTEMS = ("triton", "triton-thread", "engine", "vllm", "hf-continuous", "hf-static")
@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "compare")
     parser.add_argument("--progress-interval", type=float, default=10.0)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the systems this many times, alternating, and add a table of medians "
+                             "(this machine is shared and noisy: one run can be 10%% off)")
     return parser
 
 
@@ -137,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     results: list[SystemResult] = []
     extra: dict[str, dict] = {}
 
+    current_run = [0]  # which of the --repeat runs is going on
+
     def note(result: SystemResult) -> None:
+        if args.repeat > 1:
+            result.name = f"{result.name} [run {current_run[0] + 1}]"
         results.append(result)
         print(f"  {result.name}: {result.output_tokens} tokens in {result.duration_s:.1f} s = "
               f"{result.output_token_throughput:.1f} out tok/s", flush=True)
@@ -150,14 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         result.server_cpu_s, result.client_cpu_s = cpu.server_seconds(), cpu.client_seconds()
         return result
 
-    for system in systems:
+    for run, system in [(r, s) for r in range(args.repeat) for s in systems]:
+        current_run[0] = run
         load_before = os.getloadavg()[0]
         print(f"\n== {system} ==", flush=True)
         if system in ("triton", "triton-thread"):
             in_thread = system == "triton-thread"
             completed, duration, cpu, ipc = run_triton(args, items, warmup, pattern, in_thread)
             if ipc is not None:
-                extra.setdefault("engine_core_ipc", {})[system] = ipc
+                key = system if args.repeat == 1 else f"{system} [run {run + 1}]"
+                extra.setdefault("engine_core_ipc", {})[key] = ipc
                 print(f"  engine-core IPC per step: median {ipc['median_us']:.0f} us over {ipc['count']} steps")
             name = TRITON_THREAD_NAME if in_thread else "Triton llm (gRPC streaming)"
             note(served_result(name, completed, duration, load_before, cpu))
@@ -218,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = markdown_report(document, results)
+    if args.repeat > 1:
+        report += "\n" + medians_report(results)
     print("\n" + report)
     (args.out_dir / "compare.md").write_text(report)
     (args.out_dir / "compare.json").write_text(json.dumps(document, indent=2))

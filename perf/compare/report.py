@@ -185,3 +185,28 @@ def write_plot(results: list[SystemResult], path: str | Path) -> str:
     right.set_xlabel("TTFT p50, ms (lower is better)")
     right.set_title("Time to first token")
     return save_figure(figure, path)
+
+
+def medians_report(results: list[SystemResult]) -> str:
+    """Per system (runs named ``... [run k]``), the median of its runs and the ratios of medians."""
+    import statistics  # noqa: PLC0415
+
+    by_system: dict[str, list[SystemResult]] = {}
+    for r in results:
+        by_system.setdefault(r.name.rsplit(" [run ", 1)[0], []).append(r)
+
+    def median(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    rows = {name: (median([r.output_token_throughput for r in runs]), median([r.ttft_p50_ms for r in runs]),
+                   median([r.itl_p50_ms for r in runs]), len(runs)) for name, runs in by_system.items()}
+    engine = next((row for name, row in rows.items() if name.startswith(ENGINE_NAME_PREFIX)), None)
+    lines = ["Medians over the runs (alternating systems):", "",
+             "| system | runs | output tok/s | TTFT p50 | ITL p50 | tok/s / engine | TTFT p50 vs engine | ITL p50 vs engine |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, (tps, ttft, itl, count) in rows.items():
+        ratio = f"{tps / engine[0]:.2f}x" if engine and engine[0] else "-"
+        lines.append(f"| {name} | {count} | {tps:.1f} | {_ms(ttft)} | {_ms(itl)} | {ratio} "
+                     f"| {_relative(ttft, engine[1]) if engine else '-'} | {_relative(itl, engine[2]) if engine else '-'} |")
+    return "\n".join(lines) + "\n"

@@ -137,6 +137,7 @@ def collect_finals(loop, request_ids: set[str], timeout: float = 60.0):
 def test_draining_refuses_new_requests_lets_short_ones_finish_and_ends_the_rest(loop, engine):
     loop.submit(request("short", "a short one", engine, max_tokens=4, ignore_eos=True))
     loop.submit(request("long", "a long one", engine, max_tokens=1900, ignore_eos=True))
+    loop.flush()
     time.sleep(0.2)
     loop.begin_drain(grace_seconds=1.0)
     started = time.monotonic()

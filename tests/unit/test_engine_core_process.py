@@ -60,6 +60,7 @@ def run_to_finals(client, requests: list[AddRequest], timeout: float = 120.0) ->
     texts, finals = {r.request_id: "" for r in requests}, {}
     for request in requests:
         client.submit(request)
+    client.flush()  # one message for all of them, as execute() sends a batch
     deadline = time.monotonic() + timeout
     while len(finals) < len(requests):
         assert time.monotonic() < deadline, f"finals missing: {set(texts) - set(finals)}"
@@ -99,6 +100,7 @@ def test_kill_9_of_the_core_ends_each_request_once_with_an_error_and_a_new_core_
     old_pid = client.core_pid
     for i in range(3):
         client.submit(add(engine, f"long{i}", PROMPTS[i], max_tokens=1500, ignore_eos=True))
+    client.flush()
     streamed = 0
     while streamed < 3:  # every request has produced tokens: they are mid-stream
         item = client.outbox.get(timeout=60)
@@ -129,6 +131,7 @@ def test_kill_9_of_the_core_ends_each_request_once_with_an_error_and_a_new_core_
 
 def test_a_silent_core_is_found_by_its_heartbeat_killed_and_replaced(client, engine):
     client.submit(add(engine, "stuck", "Hello", max_tokens=1500, ignore_eos=True))
+    client.flush()
     time.sleep(0.5)
     stopped_pid = client.core_pid
     os.kill(stopped_pid, signal.SIGSTOP)  # alive but silent, as a hung forward would be
