@@ -12,7 +12,7 @@ responder cannot tell them apart. The reader also watches the core:
 Either way every request in flight gets one error output naming what happened, ``on_restart`` is
 called (the restart counter), and a new core is started; requests arriving meanwhile are refused
 as busy. Detokenization and stop strings stay in the core: measured on this machine they cost
-about 2% of a decode step (perf/RESULTS.md), and a stop string found where the token is made
+0.7% of a decode step (perf.profile_step: 0.49 ms of 72.7 ms at 32 sequences, SmolLM2), and a stop string found where the token is made
 stops it at once, with no abort round trip and no tokens generated past it.
 """
 

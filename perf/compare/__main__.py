@@ -57,15 +57,13 @@ def run_triton(args, items, warmup, pattern, in_thread: bool):
     from perf.compare.histogram import histogram_median, scrape_histogram
     from perf.compare.repository import repository_with_overrides
 
-    overrides = {}
-    if args.dtype != "float32":  # the server must load the same engine settings as the in-process run
-        overrides["dtype"] = args.dtype
+    # The server must load the same engine settings as the in-process run: always the dtype, since
+    # config.pbtxt's `auto` is bfloat16 on CPU (before this, --dtype float32 served bfloat16).
+    overrides = {"dtype": args.dtype}
     if in_thread:
         overrides["engine_process"] = "false"
-    repository = args.model_repository
-    if overrides:
-        repository = repository_with_overrides(Path(args.model_repository), args.model, overrides,
-                                               REPO_ROOT / "build" / "compare_repository")
+    repository = repository_with_overrides(Path(args.model_repository), args.model, overrides,
+                                           REPO_ROOT / "build" / "compare_repository")
     server = start_server(repository, ready_timeout=300)
     try:
         run_workload(server.grpc_url, args.model, warmup, ArrivalPattern("concurrency", 1))
