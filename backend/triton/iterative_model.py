@@ -131,6 +131,10 @@ class IterativeDriver:
         except CoreLost as exc:
             self.lose_everything(str(exc))
             return
+        except Exception as exc:  # e.g. the new core would not start: no sequence may hang on it
+            logger.exception("the engine iteration failed")
+            self.lose_everything(f"internal error: the engine failed ({type(exc).__name__}: {exc})")
+            return
         self._num_waiting = stats.num_waiting
         done_at = time.monotonic()
         for output in outputs:
@@ -170,8 +174,8 @@ class IterativeDriver:
             self._forget(correlation_id)
         try:
             _, stats = self.core.iterate([], [s.request_id for _, s in cancelled], step=False)
-        except CoreLost as exc:
-            self.lose_everything(str(exc))
+        except Exception as exc:  # CoreLost, or a new core that would not start
+            self.lose_everything(str(exc) if isinstance(exc, CoreLost) else f"internal error: {exc}")
             return len(cancelled)
         if self.metrics is not None:
             self.metrics.update_engine_stats(stats)

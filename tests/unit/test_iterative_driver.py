@@ -171,3 +171,32 @@ def test_cancelled_sequences_are_aborted_and_closed_once():
     b.sender.cancelled = True  # Triton drops a cancelled sequence: the watcher finds it
     assert driver.reap_cancelled() == 1
     assert engine.aborted == ["m-1", "m-2"] and driver.sequences == {}
+
+
+def test_a_lost_engine_core_ends_every_sequence_once_and_the_next_one_is_served():
+    from backend.engine_core.sync_client import CoreLost
+
+    driver, core = make_driver()
+    a, b = FakeRequest(1), FakeRequest(2)
+    driver.execute([a, b])
+    failures = [CoreLost("internal error: the engine core process died"), RuntimeError("would not start")]
+
+    def failing(adds, aborts, step):
+        raise failures.pop(0)
+
+    core.iterate, working = failing, core.iterate
+    a.release_flags = b.release_flags = 0
+    driver.execute([a])  # b is absent from this batch: its last sender gets the error too
+    for request in (a, b):
+        response, flags = request.sender.sent[-1]
+        assert flags == FINAL and "engine core process died" in response.error.message
+        assert sum(f == FINAL for _, f in request.sender.sent) == 1
+    assert a.release_flags == 0 and driver.sequences == {}
+    c = FakeRequest(3)
+    driver.execute([c])  # the replacement core would not start: this one ends with that error
+    assert c.sender.sent[-1][1] == FINAL and "would not start" in c.sender.sent[-1][0].error.message
+    core.iterate = working
+    core.script = [[output("m-4", 7, finished=True)]]
+    d = FakeRequest(4)
+    driver.execute([d])
+    assert texts(d.sender) == [("<7>", FINAL)]
