@@ -151,6 +151,7 @@ def test_unload_reload_and_stop_leave_no_core_process(make_server):
     assert second != first
     with StreamingClient(server.grpc_url) as client:
         assert client.generate("reloaded", max_tokens=3, ignore_eos=True).error is None
+    http.close()  # an open HTTP connection keeps tritonserver's stop waiting its 30 s exit timeout
     server.stop()
     assert not live_processes_in_group(server.process.pid)
     for pid in (first, second):

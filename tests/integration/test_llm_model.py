@@ -269,3 +269,4 @@ def test_unload_and_reload_with_streams_in_flight(make_server):
     with StreamingClient(server.grpc_url) as client:
         again = client.generate("after reload", max_tokens=3, ignore_eos=True)
     assert again.error is None and len(again.token_ids) == 3
+    admin.close()  # an open HTTP connection keeps tritonserver's stop waiting its 30 s exit timeout

@@ -162,3 +162,4 @@ def test_unload_with_streams_in_flight_drains_and_a_reload_serves_again(make_ser
         after = client.generate("the same prompt", timeout=60, max_tokens=8, ignore_eos=True)
     assert after.error is None and after.token_ids == before.token_ids
     assert server.process.poll() is None
+    http.close()  # an open HTTP connection keeps tritonserver's stop waiting its 30 s exit timeout

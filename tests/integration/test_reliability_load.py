@@ -363,6 +363,7 @@ def test_rejected_request_then_cancel_keeps_a_stub_alive_across_unload(make_serv
         assert stream.generate("still serving", max_tokens=3, ignore_eos=True).error is None
     print(f"\nstubs alive after unload + reload: {leaked} (1 expected without the Triton behaviour)")
     assert leaked == 2
+    http.close()  # our own open HTTP connection would hold the stop for the exit timeout too
     stopped = time.monotonic()
     server.stop()
     assert not live_processes_in_group(pgid)
