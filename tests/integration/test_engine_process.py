@@ -1,9 +1,10 @@
 """The engine core in its own process, through a real tritonserver (issue 14).
 
 Greedy text of 32 concurrent mixed streams equals the engine in-process with ``engine_process``
-true and false; kill -9 of the core mid-stream ends every stream with one error final within 10 s,
-the restart counter says 1 and the next request is served; unload, reload and server stop leave
-no core process. (Cancellation bringing KV usage back to its baseline runs on the default, core
+true and false; kill -9 of the core mid-stream (`llm`, and `llm_iterative`'s step-on-demand core)
+ends every stream with one error final within 10 s, the restart counter says 1 and the next
+request is served (issue 20's engine-crash scenario, marker `reliability` too); unload, reload and
+server stop leave no core process. (Cancellation bringing KV usage back to its baseline runs on the default, core
 process, configuration in test_reliability_load.py's cancel storm.)
 """
 
@@ -60,13 +61,13 @@ def mixed_jobs(count: int, seed: int = 14) -> list[tuple[str, int]]:
             for _ in range(count)]
 
 
-def stream_all(url: str, jobs: list[tuple[str, int]], timeout: float = 180.0) -> list:
+def stream_all(url: str, jobs: list[tuple[str, int]], timeout: float = 180.0, model: str = "llm") -> list:
     """One streaming request per job, all at once; a StreamResult (or the exception) per job."""
     results: list = [None] * len(jobs)
 
     def worker(index: int, prompt: str, max_tokens: int) -> None:
         try:
-            with StreamingClient(url) as client:
+            with StreamingClient(url, model) as client:
                 results[index] = client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, stream=True,
                                                  timeout=timeout)
         except Exception as exc:
@@ -103,6 +104,7 @@ def test_32_mixed_streams_through_triton_equal_the_engine_in_process(make_server
     assert metric(values, "llm_time_to_first_token_seconds_count") == len(jobs)
 
 
+@pytest.mark.reliability
 def test_kill_9_of_the_core_mid_stream_costs_errors_not_the_server(make_server):
     server = make_server({"engine_heartbeat_timeout_seconds": "5"})
     (old_core,) = core_pids(server)
@@ -137,6 +139,39 @@ def test_kill_9_of_the_core_mid_stream_costs_errors_not_the_server(make_server):
     assert len(result.token_ids) == 4
     (new_core,) = core_pids(server)
     assert new_core != old_core and server.process.poll() is None
+
+
+@pytest.mark.reliability
+def test_kill_9_of_the_llm_iterative_core_ends_its_sequences_and_the_next_is_served(make_server):
+    model = "llm_iterative"
+    server = make_server({"engine_heartbeat_timeout_seconds": "5"}, models=(model,))
+    (old_core,) = core_pids(server)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.extend(
+        stream_all(server.grpc_url, [(f"sequence {i}", 1900) for i in range(4)], timeout=60, model=model)),
+        daemon=True)
+    thread.start()
+
+    def all_streaming():
+        values = read_metrics(server)
+        return (metric(values, "llm_num_requests_running", model=model) == 4
+                and metric(values, "llm_generation_tokens_total", model=model) >= 4 * 8)
+
+    wait_for(all_streaming, 60, "every sequence to produce tokens")
+    os.kill(old_core, signal.SIGKILL)
+    killed_at = time.monotonic()
+    thread.join(60)
+    assert len(results) == 4
+    for result in results:
+        assert not isinstance(result, Exception), result
+        assert result.num_final == 1 and "engine core process died" in (result.error or "")
+        assert result.end_time - killed_at < 10 and len(result.token_ids) > 0
+    assert metric(read_metrics(server), "llm_engine_restarts_total", model=model) == 1
+    with StreamingClient(server.grpc_url, model) as client:  # its iteration starts the new core first
+        result = client.generate("after the crash", max_tokens=4, ignore_eos=True, stream=True, timeout=60)
+    assert result.error is None and len(result.token_ids) == 4
+    (new_core,) = core_pids(server)
+    assert new_core != old_core
 
 
 def test_unload_reload_and_stop_leave_no_core_process(make_server):
