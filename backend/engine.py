@@ -59,7 +59,6 @@ class RequestOutput:
     logprobs: list[float] | None = None  # of new_token_ids, when the request asked for logprobs
     logprob_ranks: list[int] | None = None  # of new_token_ids (1 = the most likely token)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (token id, logprob) x top_logprobs
-    prompt_token_ids: list[int] | None = None  # a reference, not a copy: do not modify
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -417,7 +416,6 @@ class LLMEngine:
             logprobs=logprobs,
             logprob_ranks=ranks,
             top_logprobs=top,
-            prompt_token_ids=request.prompt_token_ids,
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,

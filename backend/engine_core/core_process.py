@@ -63,8 +63,6 @@ def serve(core, input_socket, output_socket, autostep: bool) -> None:
 
     def send(outputs, stepped: bool, final: bool = False, answers: int = 0) -> None:
         nonlocal last_sent
-        for output in outputs:
-            output.prompt_token_ids = None  # the front end tokenized the prompt: it has them
         message = CoreOutputs(outputs, core.stats(), core.num_adds_seen, time.monotonic(), stepped, final, answers)
         output_socket.send(encode(message), copy=False)
         last_sent = message.sent_at

@@ -34,7 +34,7 @@ class ResponseState:
     wants_logprobs: bool = False  # the request asked for logprobs (sampling_parameters)
     pending: list[RequestOutput] = field(default_factory=list)  # collected, not sent yet
     final: RequestOutput | None = None  # set when the engine ended the request
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # the tokenized prompt (set by whoever tokenized it)
     first_token_time: float | None = None
     last_token_time: float | None = None
     prompt_sent: bool = False
@@ -45,8 +45,6 @@ class ResponseState:
         """Takes one engine output (in order) and records its metrics."""
         if self.final is not None:
             return
-        if output.prompt_token_ids is not None:
-            self.prompt_token_ids = output.prompt_token_ids
         if output.new_token_ids and not self.cancelled:
             record_tokens(self, output, now, metrics)
         if output.logprobs:
