@@ -22,14 +22,18 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 from backend.config import EngineConfig
 from backend.engine import EngineStats
 from backend.engine_core.core import DRAINING_MESSAGE, BusyError, busy_message, error_output
 from backend.engine_core.messages import AddRequest, CoreInput, CoreOutputs, CoreReady
-from backend.engine_core.process_handle import CoreProcess, CoreStartError
+from backend.engine_core.process_handle import (
+    CoreProcess,
+    CoreStartError,
+    lost_request_message,
+    report_restart,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +41,6 @@ POLL_SECONDS = 0.05
 DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 60.0  # a slow step (a long prefill on a big model) is not a hang
 START_TIMEOUT_SECONDS = 600.0  # loading a model
 RESTART_BACKOFF_SECONDS = 2.0
-IPC_SAMPLES = 10_000
 
 
 def empty_stats(num_kv_blocks: int = 0) -> EngineStats:
@@ -54,7 +57,6 @@ class EngineCoreClient:
         self.on_restart = on_restart  # called with the reason, from the reader thread
         self.on_ipc = on_ipc  # called with each step message's IPC seconds, from the reader thread
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.ipc_seconds: deque[float] = deque(maxlen=IPC_SAMPLES)
         self.restarts = 0
         self._process = CoreProcess(config, autostep=True)
         self._lock = threading.Lock()  # the input socket and everything below
@@ -173,10 +175,8 @@ class EngineCoreClient:
 
     def _deliver(self, message: CoreOutputs, now: float) -> None:
         if message.stepped:
-            ipc = max(0.0, now - message.sent_at)
-            self.ipc_seconds.append(ipc)
             if self.on_ipc is not None:
-                self.on_ipc(ipc)
+                self.on_ipc(max(0.0, now - message.sent_at))
         with self._lock:
             self._adds_seen = message.num_adds_seen
             self._num_waiting = message.stats.num_waiting
@@ -198,13 +198,9 @@ class EngineCoreClient:
         with self._lock:
             self._available = False
             self._outgoing = []  # in _active: failed below
-        self._fail_active(f"internal error: {reason}; the request was lost (the engine core is restarting)")
+        self._fail_active(lost_request_message(reason))
         self.restarts += 1
-        if self.on_restart is not None:
-            try:
-                self.on_restart(reason)
-            except Exception:
-                logger.exception("counting the restart failed")
+        report_restart(self.on_restart, reason)
         while not self._stopping:
             try:
                 ready = self._process.start(START_TIMEOUT_SECONDS)  # nobody sends while not _available

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -32,6 +33,21 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 class CoreStartError(RuntimeError):
     """The engine core did not come up; the message says why (its own error when it sent one)."""
+
+
+def lost_request_message(reason: str) -> str:
+    """What a request in flight on a core that died or hung is told (both clients)."""
+    return f"internal error: {reason}; the request was lost (the engine core is restarting)"
+
+
+def report_restart(on_restart: Callable[[str], None] | None, reason: str) -> None:
+    """Calls a client's restart hook (the restart counter); its failure must not stop the recovery."""
+    if on_restart is None:
+        return
+    try:
+        on_restart(reason)
+    except Exception:
+        logger.exception("counting the restart failed")
 
 
 def python_executable() -> str:

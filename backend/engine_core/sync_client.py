@@ -21,7 +21,7 @@ from backend.engine import EngineStats, LLMEngine, RequestOutput
 from backend.engine_core.client import DEFAULT_HEARTBEAT_TIMEOUT_SECONDS, START_TIMEOUT_SECONDS
 from backend.engine_core.core import EngineCore
 from backend.engine_core.messages import AddRequest, CoreInput, CoreOutputs, CoreReady
-from backend.engine_core.process_handle import CoreProcess
+from backend.engine_core.process_handle import CoreProcess, lost_request_message, report_restart
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +96,5 @@ class SyncEngineCoreClient:
         logger.error("%s: its requests are lost; a new core starts with the next iteration", reason)
         self._lost = True
         self.restarts += 1
-        if self.on_restart is not None:
-            try:
-                self.on_restart(reason)
-            except Exception:
-                logger.exception("counting the restart failed")
-        raise CoreLost(f"internal error: {reason}; the request was lost (the engine core is restarting)")
+        report_restart(self.on_restart, reason)
+        raise CoreLost(lost_request_message(reason))
