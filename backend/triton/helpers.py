@@ -123,3 +123,20 @@ def engine_process_options(parameters: dict[str, str]) -> tuple[bool, float]:
         raise ConfigError(f"parameter 'engine_heartbeat_timeout_seconds': must be >= 1 (the core beats every "
                           f"0.5 s), got {parameters['engine_heartbeat_timeout_seconds']!r}")
     return use_process, timeout
+
+
+def start_engine_core(client, model_name: str, tokenizer_dir: str):
+    """Starts an engine-core client (``EngineCoreClient`` or ``SyncEngineCoreClient``) and returns the
+    front end's InputProcessor for it. A core that does not come up fails the model's load with a
+    ConfigError naming why."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from backend.engine_core.process_handle import CoreStartError  # noqa: PLC0415
+    from backend.input_processor import InputProcessor  # noqa: PLC0415
+
+    try:
+        ready = client.start()
+    except CoreStartError as exc:
+        raise ConfigError(f"model '{model_name}': {exc}") from None
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len)

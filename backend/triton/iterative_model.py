@@ -41,6 +41,7 @@ from backend.triton.helpers import (
     load_llm_config,
     send_error,
     set_utf8_locale,
+    start_engine_core,
 )
 from backend.triton.inputs import InputError, parse_request
 from backend.triton.periodic import PeriodicThread
@@ -311,22 +312,12 @@ class TritonPythonModel:
 
     def _start_engine_core(self, model_name: str, config, heartbeat_timeout: float):
         """The engine in its own process, stepping on demand (backend/engine_core/sync_client.py)."""
-        from transformers import AutoTokenizer  # noqa: PLC0415
-
-        from backend.config import ConfigError  # noqa: PLC0415
-        from backend.engine_core.process_handle import CoreStartError  # noqa: PLC0415
         from backend.engine_core.sync_client import SyncEngineCoreClient  # noqa: PLC0415
-        from backend.input_processor import InputProcessor  # noqa: PLC0415
 
         metrics = self.metrics
         core = SyncEngineCoreClient(config, heartbeat_timeout,
                                     on_restart=lambda reason: metrics.engine_restarts.increment(1))
-        try:
-            ready = core.start()
-        except CoreStartError as exc:
-            raise ConfigError(f"model '{model_name}': {exc}") from None
-        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_dir)
-        return core, InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len)
+        return core, start_engine_core(core, model_name, config.model.tokenizer_dir)
 
     def _start_in_process(self, config):
         from backend.engine import LLMEngine  # noqa: PLC0415

@@ -25,6 +25,7 @@ from backend.triton.helpers import (
     seconds_parameter,
     send_error,
     set_utf8_locale,
+    start_engine_core,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,23 +60,13 @@ class TritonPythonModel:
 
     def _start_engine_core(self, heartbeat_timeout: float):
         """The engine in its own process (backend/engine_core); tokenizing and checks stay here."""
-        from transformers import AutoTokenizer  # noqa: PLC0415
-
-        from backend.config import ConfigError  # noqa: PLC0415
         from backend.engine_core.client import EngineCoreClient  # noqa: PLC0415
-        from backend.engine_core.process_handle import CoreStartError  # noqa: PLC0415
-        from backend.input_processor import InputProcessor  # noqa: PLC0415
 
         metrics = self.metrics
         client = EngineCoreClient(self.config, self.config.scheduler.max_queue_len, heartbeat_timeout,
                                   on_restart=lambda reason: metrics.engine_restarts.increment(1),
                                   on_ipc=metrics.core_ipc.observe)
-        try:
-            ready = client.start()
-        except CoreStartError as exc:
-            raise ConfigError(f"model '{self.model_name}': {exc}") from None
-        tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_dir)
-        return client, InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len)
+        return client, start_engine_core(client, self.model_name, self.config.model.tokenizer_dir)
 
     def _start_engine_thread(self):
         """``engine_process: false``: the engine on a thread of this process (debugging, comparison)."""
