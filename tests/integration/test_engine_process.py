@@ -26,6 +26,7 @@ from backend.request import SamplingParams
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
 from tests.integration.test_llm_model import metric, read_metrics
+from tests.integration.test_reliability import run_streams
 
 pytestmark = pytest.mark.integration
 
@@ -61,24 +62,32 @@ def mixed_jobs(count: int, seed: int = 14) -> list[tuple[str, int]]:
             for _ in range(count)]
 
 
-def stream_all(url: str, jobs: list[tuple[str, int]], timeout: float = 180.0, model: str = "llm") -> list:
-    """One streaming request per job, all at once; a StreamResult (or the exception) per job."""
-    results: list = [None] * len(jobs)
+def streamed(jobs: list[tuple[str, int]]) -> list[tuple[str, dict]]:
+    """run_streams jobs: each prompt streamed with its forced output length."""
+    return [(prompt, {"max_tokens": n, "ignore_eos": True, "stream": True}) for prompt, n in jobs]
 
-    def worker(index: int, prompt: str, max_tokens: int) -> None:
-        try:
-            with StreamingClient(url, model) as client:
-                results[index] = client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, stream=True,
-                                                 timeout=timeout)
-        except Exception as exc:
-            results[index] = exc
 
-    threads = [threading.Thread(target=worker, args=(i, p, n), daemon=True) for i, (p, n) in enumerate(jobs)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout + 30)
-    return results
+def kill_core_mid_stream(server, model: str, num_streams: int) -> tuple[list, float, int]:
+    """Starts ``num_streams`` long streams, SIGKILLs the core once every one is decoding, and waits
+    for the streams to end; returns (their results, when the core was killed, the killed pid)."""
+    (core,) = core_pids(server)
+    results: list = []
+    jobs = streamed([(f"stream {i}", 1900) for i in range(num_streams)])
+    thread = threading.Thread(target=lambda: results.extend(
+        run_streams(server.grpc_url, jobs, timeout=60, model=model)), daemon=True)
+    thread.start()
+
+    def all_streaming():  # every stream is decoding: each step gives each one a token
+        values = read_metrics(server)
+        return (metric(values, "llm_num_requests_running", model=model) == num_streams
+                and metric(values, "llm_generation_tokens_total", model=model) >= num_streams * 8)
+
+    wait_for(all_streaming, 60, "every stream to produce tokens")
+    os.kill(core, signal.SIGKILL)
+    killed_at = time.monotonic()
+    thread.join(60)
+    assert len(results) == num_streams
+    return results, killed_at, core
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +102,7 @@ def test_32_mixed_streams_through_triton_equal_the_engine_in_process(make_server
     jobs = mixed_jobs(32)
     expected = offline_engine.generate([p for p, _ in jobs], [SamplingParams(max_tokens=n, ignore_eos=True)
                                                               for _, n in jobs])
-    results = stream_all(server.grpc_url, jobs)
+    results = run_streams(server.grpc_url, streamed(jobs), timeout=180)
     for (prompt, max_tokens), result, want in zip(jobs, results, expected, strict=True):
         assert not isinstance(result, Exception), result
         assert result.error is None and result.num_final == 1
@@ -107,21 +116,7 @@ def test_32_mixed_streams_through_triton_equal_the_engine_in_process(make_server
 @pytest.mark.reliability
 def test_kill_9_of_the_core_mid_stream_costs_errors_not_the_server(make_server):
     server = make_server({"engine_heartbeat_timeout_seconds": "5"})
-    (old_core,) = core_pids(server)
-    results: list = []
-    thread = threading.Thread(target=lambda: results.extend(
-        stream_all(server.grpc_url, [(f"stream {i}", 1900) for i in range(8)], timeout=60)), daemon=True)
-    thread.start()
-    def all_streaming():  # every stream is decoding: each step gives each one a token
-        values = read_metrics(server)
-        return (metric(values, "llm_num_requests_running") == 8
-                and metric(values, "llm_generation_tokens_total") >= 8 * 8)
-
-    wait_for(all_streaming, 60, "every stream to produce tokens")
-    os.kill(old_core, signal.SIGKILL)
-    killed_at = time.monotonic()
-    thread.join(60)
-    assert len(results) == 8
+    results, killed_at, old_core = kill_core_mid_stream(server, "llm", 8)
     for result in results:
         assert not isinstance(result, Exception), result
         assert result.num_final == 1 and result.error is not None
@@ -145,23 +140,7 @@ def test_kill_9_of_the_core_mid_stream_costs_errors_not_the_server(make_server):
 def test_kill_9_of_the_llm_iterative_core_ends_its_sequences_and_the_next_is_served(make_server):
     model = "llm_iterative"
     server = make_server({"engine_heartbeat_timeout_seconds": "5"}, models=(model,))
-    (old_core,) = core_pids(server)
-    results: list = []
-    thread = threading.Thread(target=lambda: results.extend(
-        stream_all(server.grpc_url, [(f"sequence {i}", 1900) for i in range(4)], timeout=60, model=model)),
-        daemon=True)
-    thread.start()
-
-    def all_streaming():
-        values = read_metrics(server)
-        return (metric(values, "llm_num_requests_running", model=model) == 4
-                and metric(values, "llm_generation_tokens_total", model=model) >= 4 * 8)
-
-    wait_for(all_streaming, 60, "every sequence to produce tokens")
-    os.kill(old_core, signal.SIGKILL)
-    killed_at = time.monotonic()
-    thread.join(60)
-    assert len(results) == 4
+    results, killed_at, old_core = kill_core_mid_stream(server, model, 4)
     for result in results:
         assert not isinstance(result, Exception), result
         assert result.num_final == 1 and "engine core process died" in (result.error or "")
