@@ -10,8 +10,9 @@ LD_LIBRARY_PATH with libpython's folder and the wheel's bundled libraries.
 Stopping sends SIGTERM, then kills the whole process group after a timeout: a server with live
 decoupled streams was seen not to exit, and its stub processes must not outlive it.
 
-Command line (``make serve``): ``python -m backend.launcher [--model-repository DIR] [-- extra
-tritonserver args]``; HTTP_PORT, GRPC_PORT, METRICS_PORT and MODEL_REPOSITORY are honoured.
+Command line (``make serve``): ``python -m backend.launcher [--model-repository DIR] [--restart
+always|never] [-- extra tritonserver args]``; HTTP_PORT, GRPC_PORT, METRICS_PORT and
+MODEL_REPOSITORY are honoured. It restarts a server that exits on its own (see ``main``).
 """
 
 from __future__ import annotations
@@ -292,7 +293,14 @@ def start_server(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Foreground server for `make serve`: Ctrl-C or SIGTERM stops it and every stub it started."""
+    """Foreground server for `make serve`: Ctrl-C or SIGTERM stops it and every stub it started.
+
+    A server that exits on its own after it was ready (a crash, or our `llm` model stopping it
+    because its stub died, see backend/engine_core/stub_watch.py) is started again, as Docker's
+    restart policy does in docker-compose.yml: ``--restart never`` turns that off, and
+    ``--max-restarts`` bounds a crash loop. A server that never became ready is not restarted (a
+    broken repository would only fail again).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
@@ -303,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
     parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    parser.add_argument("--restart", choices=("always", "never"), default="always",
+                        help="start tritonserver again when it exits on its own after it was ready (default always)")
+    parser.add_argument("--max-restarts", type=int, default=10, help="give up after this many restarts (default 10)")
     args = parser.parse_args(argv)
 
     stopping = False
@@ -313,24 +324,47 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    restarts = 0
+    while True:
+        code, was_ready, ran_for = serve_once(args, extra, lambda: stopping)
+        if stopping:
+            return 0
+        if args.restart == "never" or not was_ready or restarts >= args.max_restarts:
+            if was_ready and args.restart == "always":
+                print(f"tritonserver exited with code {code}: not restarted, {restarts} restarts already",
+                      file=sys.stderr, flush=True)
+            return code or 0
+        restarts += 1
+        print(f"tritonserver exited on its own with code {code} after {ran_for:.0f} s: restarting it "
+              f"(restart {restarts} of at most {args.max_restarts})", file=sys.stderr, flush=True)
+        time.sleep(RESTART_DELAY_SECONDS)
+
+
+RESTART_DELAY_SECONDS = 1.0
+
+
+def serve_once(args, extra: list[str], stopping) -> tuple[int | None, bool, float]:
+    """Runs one tritonserver until it exits or ``stopping()``; returns (its exit code, whether it
+    was ever ready, seconds it ran). Its whole process group is gone on return."""
+    started = time.monotonic()
     server = start_server(
         args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
         extra_args=extra, log_path="-", wait=False,
     )
+    was_ready = False
     try:
-        announced = False
-        while not stopping and server.process.poll() is None:
-            if not announced and server.is_ready():
+        while not stopping() and server.process.poll() is None:
+            if not was_ready and server.is_ready():
                 print(
                     f"tritonserver ready: HTTP {server.http_url}, gRPC {server.grpc_url}, "
                     f"metrics {server.metrics_url} (Ctrl-C stops it)",
                     flush=True,
                 )
-                announced = True
+                was_ready = True
             time.sleep(0.5)
     finally:
         code = server.stop()
-    return 0 if stopping else (code or 0)
+    return code, was_ready, time.monotonic() - started
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from backend.engine_core.process_handle import (
     lost_request_message,
     report_restart,
 )
+from backend.engine_core.stub_watch import StubWatch
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +52,14 @@ class EngineCoreClient:
     def __init__(self, config: EngineConfig, max_queue_len: int,
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
                  on_restart: Callable[[str], None] | None = None,
-                 on_ipc: Callable[[float], None] | None = None):
+                 on_ipc: Callable[[float], None] | None = None, stub_watch: StubWatch | None = None):
         self.max_queue_len = max_queue_len
         self.heartbeat_timeout = heartbeat_timeout
         self.on_restart = on_restart  # called with the reason, from the reader thread
         self.on_ipc = on_ipc  # called with each step message's IPC seconds, from the reader thread
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.restarts = 0
-        self._process = CoreProcess(config, autostep=True)
+        self._process = CoreProcess(config, autostep=True, stub_watch=stub_watch)
         self._lock = threading.Lock()  # the input socket and everything below
         self._active: set[str] = set()  # submitted, no final output seen yet
         self._outgoing: list[AddRequest] = []  # submitted, not sent yet (see flush)

@@ -11,7 +11,8 @@ strings too, see ``client``'s docstring for why) and runs one loop on its main t
 
 It never waits on the front end: sends are non-blocking into an unbounded queue. It exits when
 asked (``CoreInput.shutdown``), and on its own when its parent is gone (a killed tritonserver
-leaves no orphan core): a daemon thread watches the parent pid.
+leaves no orphan core): a daemon thread watches the parent pid. A parent that died while its model
+was still serving (a killed stub) first gets tritonserver stopped, see ``stub_watch``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ PARENT_POLL_SECONDS = 0.5
 logger = logging.getLogger("backend.engine_core")
 
 
-def watch_parent(parent_pid: int) -> None:
-    """Exits this process at once when the parent goes (it is re-parented, so getppid changes)."""
+def watch_parent(parent_pid: int, stub_watch=None) -> None:
+    """Exits this process at once when the parent goes (it is re-parented, so getppid changes),
+    after ``stub_watch.on_stub_death`` when the front end asked for it."""
 
     def run() -> None:
         while True:
             if os.getppid() != parent_pid:
+                from backend.engine_core.stub_watch import on_stub_death  # noqa: PLC0415
+
+                on_stub_death(stub_watch)
                 os._exit(0)
             time.sleep(PARENT_POLL_SECONDS)
 
@@ -101,7 +106,7 @@ def main(argv: list[str]) -> int:
                         format=f"engine-core[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
     with open(os.path.join(workdir, "spec.pkl"), "rb") as handle:
         spec = pickle.load(handle)  # written by process_handle.CoreProcess: our own file
-    watch_parent(spec["parent_pid"])
+    watch_parent(spec["parent_pid"], spec.get("stub_watch"))
     import zmq  # noqa: PLC0415
 
     from backend.engine_core.messages import CoreFailed, CoreReady, encoder  # noqa: PLC0415

@@ -25,6 +25,7 @@ import zmq
 
 from backend.config import EngineConfig
 from backend.engine_core.messages import CoreFailed, CoreInput, CoreReady, encoder, message_decoder
+from backend.engine_core.stub_watch import StubWatch
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,10 @@ def python_executable() -> str:
 class CoreProcess:
     """One engine-core process and its two sockets. Not thread-safe: the owner serializes calls."""
 
-    def __init__(self, config: EngineConfig, autostep: bool = True):
+    def __init__(self, config: EngineConfig, autostep: bool = True, stub_watch: StubWatch | None = None):
         self.config = config
         self.autostep = autostep  # False: the core steps only when a CoreInput asks (llm_iterative)
+        self.stub_watch = stub_watch  # what the core does if this process dies under it (stub_watch.py)
         self.process: subprocess.Popen | None = None
         self.ready: CoreReady | None = None
         self._context = zmq.Context.instance()
@@ -92,6 +94,7 @@ class CoreProcess:
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
         spec = {"config": self.config, "parent_pid": os.getpid(), "autostep": self.autostep,
+                "stub_watch": self.stub_watch,
                 "input_address": input_address, "output_address": output_address}
         with open(os.path.join(self._workdir, "spec.pkl"), "wb") as handle:
             pickle.dump(spec, handle)

@@ -34,8 +34,9 @@ POLL_SECONDS = 0.25
 PROBE_TIMEOUT_SECONDS = 2.0
 
 
-def http_url_from_command_line(argv: list[str]) -> str | None:
-    """Triton's HTTP endpoint on loopback, from tritonserver's argv; None when HTTP is off."""
+def tritonserver_options(argv: list[str]) -> dict[str, str] | None:
+    """tritonserver's ``--name=value`` and ``--name value`` options from its argv; None when the
+    argv is not tritonserver's."""
     if not argv or "tritonserver" not in os.path.basename(argv[0]):
         return None
     options: dict[str, str] = {}
@@ -49,6 +50,22 @@ def http_url_from_command_line(argv: list[str]) -> str | None:
             options[arg[2:]] = argv[index + 1]
             index += 1
         index += 1
+    return options
+
+
+def exit_timeout_from_command_line(argv: list[str]) -> float:
+    """tritonserver's ``--exit-timeout-secs`` (30 by default)."""
+    try:
+        return float((tritonserver_options(argv) or {}).get("exit-timeout-secs", 30))
+    except ValueError:
+        return 30.0
+
+
+def http_url_from_command_line(argv: list[str]) -> str | None:
+    """Triton's HTTP endpoint on loopback, from tritonserver's argv; None when HTTP is off."""
+    options = tritonserver_options(argv)
+    if options is None:
+        return None
     if options.get("allow-http", "true").lower() in ("false", "0", "no", "off"):
         return None
     address = options.get("http-address", "0.0.0.0")
@@ -66,13 +83,17 @@ def parent_command_line() -> list[str]:
         return []
 
 
-def http_readiness_probe(base_url: str, model_name: str, model_version: str) -> Callable[[], bool | None]:
-    """A callable: True when Triton says the version is ready, False when it says not (or its HTTP
-    endpoint is gone), None when it could not tell (a timeout)."""
+def readiness_url(base_url: str, model_name: str, model_version: str) -> str:
+    """Triton's ``/v2/models/NAME[/versions/V]/ready`` under ``base_url``."""
     path = f"/v2/models/{urllib.parse.quote(model_name)}"
     if model_version:
         path += f"/versions/{urllib.parse.quote(model_version)}"
-    url = base_url.rstrip("/") + path + "/ready"
+    return base_url.rstrip("/") + path + "/ready"
+
+
+def http_readiness_probe(url: str) -> Callable[[], bool | None]:
+    """A callable: True when Triton says the version at ``url`` (see readiness_url) is ready, False
+    when it says not (or its HTTP endpoint is gone), None when it could not tell (a timeout)."""
 
     def probe() -> bool | None:
         try:

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import locale
+import logging
+import os
 from collections.abc import Callable
 
 import numpy as np
 
 from backend.config import GLUE_PARAMETER_NAMES, ConfigError, EngineConfig, parse_engine_config
+
+logger = logging.getLogger(__name__)
 
 
 def set_utf8_locale() -> None:
@@ -140,3 +144,27 @@ def start_engine_core(client, model_name: str, tokenizer_dir: str):
         raise ConfigError(f"model '{model_name}': {exc}") from None
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     return InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len)
+
+
+STUB_DEATH_ACTIONS = ("stop_server", "ignore")
+
+
+def stub_watch(parameters: dict[str, str], ready_url: str | None):
+    """The parameter ``on_stub_death`` as the engine core's StubWatch (backend/engine_core/stub_watch.py):
+    ``stop_server`` (default) stops tritonserver when this model's stub dies while it serves, since
+    Triton restarts no decoupled stub; ``ignore`` leaves it (its streams then hang). None without an
+    HTTP readiness URL: the core could not tell a killed stub from an unload."""
+    from backend.engine_core.stub_watch import StubWatch  # noqa: PLC0415
+
+    action = parameters.get("on_stub_death", "stop_server").strip().lower() or "stop_server"
+    if action not in STUB_DEATH_ACTIONS:
+        raise ConfigError(f"parameter 'on_stub_death': one of {', '.join(STUB_DEATH_ACTIONS)}, "
+                          f"got {parameters['on_stub_death']!r}")
+    if action == "ignore":
+        return None
+    if ready_url is None:
+        logger.warning("on_stub_death: no Triton HTTP endpoint to tell a killed stub from an unload: not watched")
+        return None
+    from backend.triton.drain import exit_timeout_from_command_line, parent_command_line  # noqa: PLC0415
+
+    return StubWatch(os.getppid(), ready_url, exit_timeout_from_command_line(parent_command_line()) + 5.0)

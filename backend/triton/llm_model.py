@@ -26,6 +26,7 @@ from backend.triton.helpers import (
     send_error,
     set_utf8_locale,
     start_engine_core,
+    stub_watch,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,23 +50,36 @@ class TritonPythonModel:
         grace = seconds_parameter(parameters, "shutdown_grace_seconds", DEFAULT_SHUTDOWN_GRACE_SECONDS)
         use_process, heartbeat_timeout = engine_process_options(parameters)
         self.metrics = TritonMetrics(pb_utils, self.model_name)
+        version = str(args.get("model_version", ""))
+        ready_url = self._readiness_url(parameters, version)
         if use_process:
-            self.loop, self.inputs = self._start_engine_core(heartbeat_timeout)
+            self.loop, self.inputs = self._start_engine_core(heartbeat_timeout,
+                                                             stub_watch(parameters, ready_url))
         else:
             self.loop, self.inputs = self._start_engine_thread()
         self.responder = Responder(pb_utils, self.loop, self.metrics, self.inputs.tokenizer)
         self._ids = itertools.count()
         self.responder.start()
-        self.unload_watcher = self._start_unload_watcher(parameters, str(args.get("model_version", "")), grace)
+        self.unload_watcher = self._start_unload_watcher(ready_url, grace)
 
-    def _start_engine_core(self, heartbeat_timeout: float):
+    def _readiness_url(self, parameters: dict[str, str], version: str) -> str | None:
+        """Triton's HTTP readiness URL of this model version (backend/triton/drain.py), or None."""
+        from backend.triton import drain  # noqa: PLC0415
+
+        url = parameters.get("triton_http_url", "").strip() or drain.http_url_from_command_line(
+            drain.parent_command_line())
+        if not url or url == "none":
+            return None
+        return drain.readiness_url(url, self.model_name, version)
+
+    def _start_engine_core(self, heartbeat_timeout: float, watch):
         """The engine in its own process (backend/engine_core); tokenizing and checks stay here."""
         from backend.engine_core.client import EngineCoreClient  # noqa: PLC0415
 
         metrics = self.metrics
         client = EngineCoreClient(self.config, self.config.scheduler.max_queue_len, heartbeat_timeout,
                                   on_restart=lambda reason: metrics.engine_restarts.increment(1),
-                                  on_ipc=metrics.core_ipc.observe)
+                                  on_ipc=metrics.core_ipc.observe, stub_watch=watch)
         return client, start_engine_core(client, self.model_name, self.config.model.tokenizer_dir)
 
     def _start_engine_thread(self):
@@ -78,17 +92,14 @@ class TritonPythonModel:
         loop.start()
         return loop, engine.input_processor
 
-    def _start_unload_watcher(self, parameters: dict[str, str], version: str, grace: float):
+    def _start_unload_watcher(self, ready_url: str | None, grace: float):
         """Drains on server stop or unload (backend/triton/drain.py); None when Triton's HTTP is off."""
         from backend.triton import drain  # noqa: PLC0415
 
-        url = parameters.get("triton_http_url", "").strip() or drain.http_url_from_command_line(
-            drain.parent_command_line())
-        if not url or url == "none":
+        if ready_url is None:
             logger.warning("no Triton HTTP endpoint to watch: requests in flight at shutdown are not drained")
             return None
-        watcher = drain.UnloadWatcher(drain.http_readiness_probe(url, self.model_name, version),
-                                      lambda: self.loop.begin_drain(grace))
+        watcher = drain.UnloadWatcher(drain.http_readiness_probe(ready_url), lambda: self.loop.begin_drain(grace))
         watcher.start()
         return watcher
 

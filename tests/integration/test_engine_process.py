@@ -170,3 +170,86 @@ def test_unload_reload_and_stop_leave_no_core_process(make_server):
     assert not live_processes_in_group(server.process.pid)
     for pid in (first, second):
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def stub_pids(marker: str) -> list[int]:
+    """Python-backend stubs whose command line mentions ``marker`` (the model repository's path)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"triton_python_backend_stub" in command and marker.encode() in command:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.reliability
+def test_kill_9_of_the_llm_stub_ends_every_stream_and_the_launcher_brings_the_server_back(tmp_path, demo_model_dir):
+    """Issue 20's stub crash. Triton 2.51 never restarts a decoupled model's stub, and nothing but
+    the dead stub could answer its streams, so the core (its child) stops tritonserver once it
+    sees the stub gone while the model still serves (backend/engine_core/stub_watch.py): every
+    stream ends with an error, the model is not ready meanwhile, `python -m backend.launcher`
+    starts the server again and the next request gets the same greedy text as before."""
+    import subprocess
+    import sys
+
+    from backend.launcher import free_port, stop_process_group
+    from tests.integration.conftest import write_model_repository
+
+    repo = write_model_repository(tmp_path / "repo", demo_model_dir)
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "backend.launcher", "--model-repository", str(repo), "--http-port", str(http_port),
+         "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--", "--exit-timeout-secs=5"],
+        stdout=open(tmp_path / "launcher.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        start_new_session=True, cwd=str(MODEL_REPOSITORY.parent.parent))
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
+    grpc_url = f"127.0.0.1:{grpc_port}"
+
+    def model_ready():
+        try:
+            return http.is_model_ready("llm")
+        except Exception:
+            return False
+
+    try:
+        wait_for(model_ready, 300, "the first server")
+        with StreamingClient(grpc_url) as client:
+            before = client.generate("the same prompt", max_tokens=8, ignore_eos=True, timeout=60)
+        assert before.error is None
+        (stub,) = stub_pids(str(repo))
+        results: list = []
+        jobs = streamed([(f"stream {i}", 1900) for i in range(4)])
+        thread = threading.Thread(target=lambda: results.extend(run_streams(grpc_url, jobs, timeout=120)),
+                                  daemon=True)
+        thread.start()
+        time.sleep(3)  # every stream is decoding
+        os.kill(stub, signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_for(lambda: not model_ready(), 30, "the model to be reported not ready")
+        unready_after = time.monotonic() - killed_at
+        thread.join(120)
+        assert len(results) == 4
+        for result in results:
+            assert not isinstance(result, Exception), result
+            assert result.num_final == 1 and result.error is not None
+            assert 0 < len(result.token_ids) < 1900
+        ended_after = max(r.end_time for r in results) - killed_at
+        wait_for(model_ready, 300, "the restarted server")
+        back_after = time.monotonic() - killed_at
+        (new_stub,) = stub_pids(str(repo))
+        assert new_stub != stub
+        with StreamingClient(grpc_url) as client:
+            after = client.generate("the same prompt", max_tokens=8, ignore_eos=True, timeout=60)
+        assert after.error is None and after.text == before.text
+        print(f"\nstub killed: model unready after {unready_after:.1f} s, every stream ended by {ended_after:.1f} s "
+              f"(errors like {results[0].error[:80]!r}), served again after {back_after:.1f} s")
+        assert launcher.poll() is None
+    finally:
+        stop_process_group(launcher, 60)
+    log = (tmp_path / "launcher.log").read_text(errors="replace")
+    assert "restarting it (restart 1" in log, log[-3000:]
+    assert launcher.returncode == 0, log[-3000:]
+    assert not stub_pids(str(repo))

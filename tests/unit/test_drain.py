@@ -14,7 +14,12 @@ from backend.engine_core.client import EngineCoreClient
 from backend.engine_core.core import BusyError
 from backend.engine_core.messages import AddRequest
 from backend.request import SamplingParams
-from backend.triton.drain import UnloadWatcher, http_readiness_probe, http_url_from_command_line
+from backend.triton.drain import (
+    UnloadWatcher,
+    http_readiness_probe,
+    http_url_from_command_line,
+    readiness_url,
+)
 from backend.triton.engine_loop import EngineLoop
 from tests.conftest import DEMO_REPOSITORY
 
@@ -88,7 +93,7 @@ def test_the_http_probe_reads_readiness_and_treats_a_vanished_endpoint_as_not_re
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    probe = http_readiness_probe(f"http://127.0.0.1:{server.server_port}", "llm", "1")
+    probe = http_readiness_probe(readiness_url(f"http://127.0.0.1:{server.server_port}", "llm", "1"))
     try:
         assert probe() is True
         status["code"] = 400  # what Triton answers for an unloading model
