@@ -39,6 +39,9 @@ class InProcessCore:
     def iterate(self, adds: list[AddRequest], aborts: list[str], step: bool) -> tuple[list[RequestOutput], EngineStats]:
         return self.core.iterate(adds, aborts, step), self.core.stats()
 
+    def begin_drain(self, grace_seconds: float) -> None:
+        self.core.begin_drain(grace_seconds)
+
     def shutdown(self, message: str) -> None:
         self.core.fail_everything(message)
 
@@ -51,6 +54,7 @@ class SyncEngineCoreClient:
         self.restarts = 0
         self._process = CoreProcess(config, autostep=False)
         self._lost = False
+        self._drain_grace: float | None = None  # sent with every call once set (a new core gets it too)
 
     def start(self, timeout: float = START_TIMEOUT_SECONDS) -> CoreReady:
         return self._process.start(timeout)
@@ -59,6 +63,13 @@ class SyncEngineCoreClient:
     def core_pid(self) -> int | None:
         return self._process.pid
 
+    def begin_drain(self, grace_seconds: float) -> None:
+        """Requests still running ``grace_seconds`` from now end with an error naming the shutdown
+        (the core's deadline, EngineCore.begin_drain); it goes with the next call."""
+        if self._drain_grace is None:
+            self._drain_grace = grace_seconds
+            self._drain_deadline = time.monotonic() + grace_seconds
+
     def iterate(self, adds: list[AddRequest], aborts: list[str], step: bool) -> tuple[list[RequestOutput], EngineStats]:
         """Sends the batch and waits for its answer; raises CoreLost (see the module docstring)."""
         if self._lost:
@@ -66,7 +77,9 @@ class SyncEngineCoreClient:
             ready = self._process.start(START_TIMEOUT_SECONDS)  # a CoreStartError goes to the caller
             logger.warning("engine core restarted (pid %d)", ready.pid)
             self._lost = False
-        if not self._process.send(CoreInput(adds=adds, aborts=aborts, step=step or not (adds or aborts))):
+        drain = None if self._drain_grace is None else max(0.0, self._drain_deadline - time.monotonic())
+        if not self._process.send(CoreInput(adds=adds, aborts=aborts, step=step or not (adds or aborts),
+                                            drain_grace=drain)):
             self._lose("the engine core could not be reached")
         deadline = time.monotonic() + self.heartbeat_timeout
         while True:

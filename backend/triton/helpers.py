@@ -17,6 +17,9 @@ from backend.config import GLUE_PARAMETER_NAMES, ConfigError, EngineConfig, pars
 
 logger = logging.getLogger(__name__)
 
+# On server stop or unload, how long requests in flight may still run: below Triton's 30 s exit timeout.
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 20.0
+
 
 def set_utf8_locale() -> None:
     """The stub's embedded Python defaults to ASCII text encoding whatever LANG says (measured)."""
@@ -168,3 +171,29 @@ def stub_watch(parameters: dict[str, str], ready_url: str | None):
     from backend.triton.drain import exit_timeout_from_command_line, parent_command_line  # noqa: PLC0415
 
     return StubWatch(os.getppid(), ready_url, exit_timeout_from_command_line(parent_command_line()) + 5.0)
+
+
+def triton_readiness_url(parameters: dict[str, str], model_name: str, version: str) -> str | None:
+    """Triton's HTTP readiness URL of this model version (backend/triton/drain.py): from the parameter
+    ``triton_http_url``, else from tritonserver's command line; None when there is none (``none``,
+    HTTP off, or a parent that is not tritonserver)."""
+    from backend.triton import drain  # noqa: PLC0415
+
+    url = parameters.get("triton_http_url", "").strip() or drain.http_url_from_command_line(
+        drain.parent_command_line())
+    if not url or url == "none":
+        return None
+    return drain.readiness_url(url, model_name, version)
+
+
+def start_unload_watcher(ready_url: str | None, begin_drain: Callable[[], None]):
+    """Calls ``begin_drain()`` once Triton reports the model unready (server stop or unload), from a
+    daemon thread (backend/triton/drain.py); None when Triton's HTTP endpoint is unknown."""
+    from backend.triton import drain  # noqa: PLC0415
+
+    if ready_url is None:
+        logger.warning("no Triton HTTP endpoint to watch: requests in flight at shutdown are not drained")
+        return None
+    watcher = drain.UnloadWatcher(drain.http_readiness_probe(ready_url), begin_drain)
+    watcher.start()
+    return watcher

@@ -33,15 +33,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from backend.engine import RequestOutput
+from backend.engine_core.client import empty_stats
+from backend.engine_core.core import DRAINING_MESSAGE
 from backend.engine_core.messages import AddRequest
 from backend.input_processor import EngineInputError
 from backend.triton.helpers import (
+    DEFAULT_SHUTDOWN_GRACE_SECONDS,
     engine_process_options,
     input_getter,
     load_llm_config,
+    seconds_parameter,
     send_error,
     set_utf8_locale,
     start_engine_core,
+    start_unload_watcher,
+    triton_readiness_url,
 )
 from backend.triton.inputs import InputError, parse_request
 from backend.triton.periodic import PeriodicThread
@@ -93,6 +99,7 @@ class IterativeDriver:
         self._by_request_id: dict[str, object] = {}  # engine request id -> correlation id
         self._num_waiting = 0  # the engine's, after the last iteration
         self._deferred_aborts: list[str] = []  # requests to abort with the next iteration
+        self.draining = False
 
     # ------------------------------------------------------------------------------------------
     def execute(self, requests) -> None:
@@ -182,6 +189,14 @@ class IterativeDriver:
             self.metrics.update_engine_stats(stats)
         return len(cancelled)
 
+    def begin_drain(self, grace_seconds: float) -> None:
+        """Server stop or unload (backend/triton/drain.py): new sequences are refused, and those
+        still running ``grace_seconds`` from now end with an error naming the shutdown (the core's
+        deadline), before Triton's exit timeout cuts their streams."""
+        if not self.draining:
+            self.draining = True
+            self.core.begin_drain(grace_seconds)
+
     def fail_all(self, message: str) -> None:
         """Unload: the engine stops, and every live sequence gets an error and its FINAL flag."""
         self.core.shutdown(message)
@@ -197,6 +212,8 @@ class IterativeDriver:
                 logger.debug("closing %s failed", sequence.request_id, exc_info=True)
             self._forget(correlation_id)
         self._deferred_aborts.clear()
+        if self.metrics is not None:  # the gauges of a core that is gone: nothing runs, nothing waits
+            self.metrics.update_engine_stats(empty_stats())
 
     # ------------------------------------------------------------------------------------------
     def _admit(self, request, sender, correlation_id, now: float, adds: list[AddRequest]) -> Sequence | None:
@@ -209,6 +226,9 @@ class IterativeDriver:
                 prompt, add_special_tokens = self.inputs.render_chat(parsed.messages), False
         except (InputError, EngineInputError) as exc:
             send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
+            return None
+        if self.draining:
+            send_error(pb, sender, DRAINING_MESSAGE, pb.TritonError.UNAVAILABLE)
             return None
         waiting = self._num_waiting + len(adds)
         if waiting >= self.max_queue_len:
@@ -309,6 +329,16 @@ class TritonPythonModel:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-iterative-engine")
         self.watcher = CancelWatcher(self.driver, self.worker)
         self.watcher.start()
+        grace = seconds_parameter(parameters, "shutdown_grace_seconds", DEFAULT_SHUTDOWN_GRACE_SECONDS)
+        ready_url = triton_readiness_url(parameters, model_name, str(args.get("model_version", "")))
+        self.unload_watcher = start_unload_watcher(ready_url, lambda: self._submit_drain(grace))
+
+    def _submit_drain(self, grace: float) -> None:
+        """From the watcher's thread: the drain runs on the engine's thread, like everything else."""
+        try:
+            self.worker.submit(self.driver.begin_drain, grace)
+        except RuntimeError:  # the worker is shutting down: finalize ends every sequence anyway
+            pass
 
     def _start_engine_core(self, model_name: str, config, heartbeat_timeout: float):
         """The engine in its own process, stepping on demand (backend/engine_core/sync_client.py)."""
@@ -332,9 +362,10 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         """Requests still live get an error and their FINAL flag, so no client hangs."""
-        watcher = getattr(self, "watcher", None)
-        if watcher is not None:
-            watcher.stop()
+        for name in ("unload_watcher", "watcher"):
+            watcher = getattr(self, name, None)
+            if watcher is not None:
+                watcher.stop()
         worker = getattr(self, "worker", None)
         driver = getattr(self, "driver", None)
         if worker is not None and driver is not None:

@@ -19,6 +19,7 @@ import logging
 import time
 
 from backend.triton.helpers import (
+    DEFAULT_SHUTDOWN_GRACE_SECONDS,
     engine_process_options,
     input_getter,
     load_llm_config,
@@ -26,13 +27,12 @@ from backend.triton.helpers import (
     send_error,
     set_utf8_locale,
     start_engine_core,
+    start_unload_watcher,
     stub_watch,
+    triton_readiness_url,
 )
 
 logger = logging.getLogger(__name__)
-
-# Below Triton's default --exit-timeout-secs (30 s), which ends the server whatever is in flight.
-DEFAULT_SHUTDOWN_GRACE_SECONDS = 20.0
 
 
 class TritonPythonModel:
@@ -51,7 +51,7 @@ class TritonPythonModel:
         use_process, heartbeat_timeout = engine_process_options(parameters)
         self.metrics = TritonMetrics(pb_utils, self.model_name)
         version = str(args.get("model_version", ""))
-        ready_url = self._readiness_url(parameters, version)
+        ready_url = triton_readiness_url(parameters, self.model_name, version)
         if use_process:
             self.loop, self.inputs = self._start_engine_core(heartbeat_timeout,
                                                              stub_watch(parameters, ready_url))
@@ -60,17 +60,7 @@ class TritonPythonModel:
         self.responder = Responder(pb_utils, self.loop, self.metrics, self.inputs.tokenizer)
         self._ids = itertools.count()
         self.responder.start()
-        self.unload_watcher = self._start_unload_watcher(ready_url, grace)
-
-    def _readiness_url(self, parameters: dict[str, str], version: str) -> str | None:
-        """Triton's HTTP readiness URL of this model version (backend/triton/drain.py), or None."""
-        from backend.triton import drain  # noqa: PLC0415
-
-        url = parameters.get("triton_http_url", "").strip() or drain.http_url_from_command_line(
-            drain.parent_command_line())
-        if not url or url == "none":
-            return None
-        return drain.readiness_url(url, self.model_name, version)
+        self.unload_watcher = start_unload_watcher(ready_url, lambda: self.loop.begin_drain(grace))
 
     def _start_engine_core(self, heartbeat_timeout: float, watch):
         """The engine in its own process (backend/engine_core); tokenizing and checks stay here."""
@@ -91,17 +81,6 @@ class TritonPythonModel:
         loop = EngineLoop(engine, self.config.scheduler.max_queue_len)
         loop.start()
         return loop, engine.input_processor
-
-    def _start_unload_watcher(self, ready_url: str | None, grace: float):
-        """Drains on server stop or unload (backend/triton/drain.py); None when Triton's HTTP is off."""
-        from backend.triton import drain  # noqa: PLC0415
-
-        if ready_url is None:
-            logger.warning("no Triton HTTP endpoint to watch: requests in flight at shutdown are not drained")
-            return None
-        watcher = drain.UnloadWatcher(drain.http_readiness_probe(ready_url), lambda: self.loop.begin_drain(grace))
-        watcher.start()
-        return watcher
 
     def execute(self, requests):
         """Parses and queues each request; returns None at once. Never raises.

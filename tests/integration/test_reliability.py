@@ -86,13 +86,13 @@ def test_hostile_requests_fail_alone_in_their_batch_and_the_server_survives(make
     assert max_batch_size(server) >= 4  # the bad requests really shared batches with good ones
 
 
-def long_and_short_streams(server, after_signal, max_tokens_long: int = 1900):
+def long_and_short_streams(server, after_signal, max_tokens_long: int = 1900, model: str = "llm"):
     """A short and a long stream; ``after_signal()`` runs once both are generating."""
     results: dict[str, object] = {}
 
     def worker(key, max_tokens):
         try:
-            with StreamingClient(server.grpc_url) as client:
+            with StreamingClient(server.grpc_url, model) as client:
                 results[key] = client.generate("hello world", timeout=120, max_tokens=max_tokens,
                                                ignore_eos=True, stream=True)
         except Exception as exc:
@@ -110,19 +110,20 @@ def long_and_short_streams(server, after_signal, max_tokens_long: int = 1900):
     return results, signalled
 
 
-def test_sigterm_drains_streams_in_flight_then_exits_cleanly(make_server):
+@pytest.mark.parametrize("model", ["llm", "llm_iterative"])
+def test_sigterm_drains_streams_in_flight_then_exits_cleanly(make_server, model):
     shm_before = shared_memory_regions()
-    server = make_server({"shutdown_grace_seconds": "3"})
+    server = make_server({"shutdown_grace_seconds": "3"}, models=(model,))
     pgid = server.process.pid
     late: dict[str, object] = {}
 
     def sigterm_then_try_a_new_request():
         os.kill(server.process.pid, signal.SIGTERM)
         time.sleep(0.5)
-        with StreamingClient(server.grpc_url) as client:
+        with StreamingClient(server.grpc_url, model) as client:
             late["result"] = client.generate("too late", timeout=30, max_tokens=4)
 
-    results, signalled = long_and_short_streams(server, sigterm_then_try_a_new_request)
+    results, signalled = long_and_short_streams(server, sigterm_then_try_a_new_request, model=model)
     ended = time.monotonic()
     assert late["result"].error is not None and late["result"].num_final == 1  # refused at once
     short, long = results["short"], results["long"]
@@ -136,30 +137,32 @@ def test_sigterm_drains_streams_in_flight_then_exits_cleanly(make_server):
     assert shared_memory_regions() <= shm_before
 
 
-def test_unload_with_streams_in_flight_drains_and_a_reload_serves_again(make_server):
-    server = make_server({"shutdown_grace_seconds": "3"},
-                         extra_args=["--model-control-mode=explicit", "--load-model=llm"])
+@pytest.mark.parametrize("model", ["llm", "llm_iterative"])
+def test_unload_with_streams_in_flight_drains_and_a_reload_serves_again(make_server, model):
+    server = make_server({"shutdown_grace_seconds": "3"}, models=(model,),
+                         extra_args=["--model-control-mode=explicit", f"--load-model={model}"])
     http = httpclient.InferenceServerClient(server.http_url)
-    with StreamingClient(server.grpc_url) as client:
-        before = client.generate("the same prompt", timeout=60, max_tokens=8, ignore_eos=True)
+    with StreamingClient(server.grpc_url, model) as client:
+        before = client.generate("the same prompt", timeout=60, max_tokens=8, ignore_eos=True, stream=True)
     unloaded: dict[str, float] = {}
 
     def unload():
-        http.unload_model("llm")
+        http.unload_model(model)
         unloaded["at"] = time.monotonic()
 
-    results, signalled = long_and_short_streams(server, unload)
+    results, signalled = long_and_short_streams(server, unload, model=model)
     short, long = results["short"], results["long"]
     assert short.error is None and len(short.token_ids) == 40
     assert long.error is not None and "shutting down" in long.error and long.num_final == 1
+    assert 0 < len(long.token_ids) < 1900
     deadline = time.monotonic() + 30
-    while http.is_model_ready("llm") and time.monotonic() < deadline:
+    while http.is_model_ready(model) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not http.is_model_ready("llm")
-    http.load_model("llm")
-    assert http.is_model_ready("llm")
-    with StreamingClient(server.grpc_url) as client:
-        after = client.generate("the same prompt", timeout=60, max_tokens=8, ignore_eos=True)
+    assert not http.is_model_ready(model)
+    http.load_model(model)
+    assert http.is_model_ready(model)
+    with StreamingClient(server.grpc_url, model) as client:
+        after = client.generate("the same prompt", timeout=60, max_tokens=8, ignore_eos=True, stream=True)
     assert after.error is None and after.token_ids == before.token_ids
     assert server.process.poll() is None
     http.close()  # an open HTTP connection keeps tritonserver's stop waiting its 30 s exit timeout

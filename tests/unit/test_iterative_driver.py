@@ -77,6 +77,11 @@ class FakeCore:
 
     def __init__(self):
         self.added, self.aborted, self.script = [], [], []
+        self.drain_grace = None
+        self.stats = EngineStats(0, 0, 0.0, 16, 0, 0, 0)
+
+    def begin_drain(self, grace_seconds):
+        self.drain_grace = grace_seconds
 
     def iterate(self, adds, aborts, step):
         self.added.extend(add.request_id for add in adds)
@@ -86,7 +91,7 @@ class FakeCore:
             outputs.append(RequestOutput(request_id, [], "", True, FinishReason.ABORT, 3, 0))
         if step and self.script:
             outputs.extend(self.script.pop(0))
-        return outputs, EngineStats(0, 0, 0.0, 16, 0, 0, 0)
+        return outputs, self.stats
 
     def shutdown(self, message):
         pass
@@ -100,9 +105,23 @@ class FakeInputs:
         return [ord(c) for c in prompt]
 
 
-def make_driver():
+class FakeMetrics:
+    """What the driver reports: every update_engine_stats call, and the collect-side hooks ignored."""
+
+    def __init__(self):
+        self.stats = []
+
+    def update_engine_stats(self, stats):
+        self.stats.append(stats)
+
+    def __getattr__(self, name):  # counters and histograms the response state touches
+        return SimpleNamespace(increment=lambda *a: None, observe=lambda *a: None, set=lambda *a: None)
+
+
+def make_driver(metrics=None):
     core = FakeCore()
-    return IterativeDriver(make_pb(), core, FakeInputs(), "m", max_queue_len=8, default_max_tokens=4), core
+    return IterativeDriver(make_pb(), core, FakeInputs(), "m", max_queue_len=8, default_max_tokens=4,
+                           metrics=metrics), core
 
 
 def texts(sender):
@@ -200,3 +219,37 @@ def test_a_lost_engine_core_ends_every_sequence_once_and_the_next_one_is_served(
     d = FakeRequest(4)
     driver.execute([d])
     assert texts(d.sender) == [("<7>", FINAL)]
+
+
+def test_a_lost_core_zeroes_the_gauges_it_left():
+    from backend.engine_core.sync_client import CoreLost
+
+    metrics = FakeMetrics()
+    driver, core = make_driver(metrics)
+    core.stats = EngineStats(2, 1, 0.5, 16, 10, 4, 0)
+    driver.execute([FakeRequest(1), FakeRequest(2)])
+    assert metrics.stats[-1].num_running == 2
+
+    def lost(adds, aborts, step):
+        raise CoreLost("internal error: the engine core process died")
+
+    core.iterate = lost
+    driver.execute([FakeRequest(1)])
+    last = metrics.stats[-1]
+    assert (last.num_running, last.num_waiting, last.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_draining_refuses_new_sequences_and_hands_the_grace_to_the_core():
+    driver, core = make_driver()
+    running = FakeRequest(1)
+    driver.execute([running])
+    driver.begin_drain(3.0)
+    driver.begin_drain(9.0)  # once: the first deadline holds
+    assert core.drain_grace == 3.0
+    late = FakeRequest(2)
+    running.release_flags = 0
+    driver.execute([running, late])
+    response, flags = late.sender.sent[-1]
+    assert flags == FINAL and "shutting down" in response.error.message and response.error.code == "UNAVAILABLE"
+    assert late.release_flags == 0 and core.added == ["m-1"]
+    assert running.release_flags == RESCHEDULE  # still running until the core's deadline ends it
