@@ -22,6 +22,7 @@ from backend.engine_core.client import DEFAULT_HEARTBEAT_TIMEOUT_SECONDS, START_
 from backend.engine_core.core import EngineCore
 from backend.engine_core.messages import AddRequest, CoreInput, CoreOutputs, CoreReady
 from backend.engine_core.process_handle import CoreProcess, lost_request_message, report_restart
+from backend.engine_core.stub_watch import StubWatch
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +49,11 @@ class InProcessCore:
 
 class SyncEngineCoreClient:
     def __init__(self, config: EngineConfig, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
-                 on_restart: Callable[[str], None] | None = None):
+                 on_restart: Callable[[str], None] | None = None, stub_watch: StubWatch | None = None):
         self.heartbeat_timeout = heartbeat_timeout
         self.on_restart = on_restart
         self.restarts = 0
-        self._process = CoreProcess(config, autostep=False)
+        self._process = CoreProcess(config, autostep=False, stub_watch=stub_watch)
         self._lost = False
         self._drain_grace: float | None = None  # sent with every call once set (a new core gets it too)
 

@@ -47,6 +47,7 @@ from backend.triton.helpers import (
     set_utf8_locale,
     start_engine_core,
     start_unload_watcher,
+    stub_watch,
     triton_readiness_url,
 )
 from backend.triton.inputs import InputError, parse_request
@@ -318,8 +319,9 @@ class TritonPythonModel:
         model_name, config, parameters = load_llm_config(pb_utils, args, needs_iterative_sequence=True)
         use_process, heartbeat_timeout = engine_process_options(parameters)
         self.metrics = TritonMetrics(pb_utils, model_name)
-        core, inputs = (self._start_engine_core(model_name, config, heartbeat_timeout) if use_process
-                        else self._start_in_process(config))
+        ready_url = triton_readiness_url(parameters, model_name, str(args.get("model_version", "")))
+        core, inputs = (self._start_engine_core(model_name, config, heartbeat_timeout, stub_watch(parameters, ready_url))
+                        if use_process else self._start_in_process(config))
         self.driver = IterativeDriver(
             pb_utils, core, inputs, model_name, config.scheduler.max_queue_len,
             config.scheduler.default_max_tokens, self.metrics, config.model.prompt_byte_limit,
@@ -330,7 +332,6 @@ class TritonPythonModel:
         self.watcher = CancelWatcher(self.driver, self.worker)
         self.watcher.start()
         grace = seconds_parameter(parameters, "shutdown_grace_seconds", DEFAULT_SHUTDOWN_GRACE_SECONDS)
-        ready_url = triton_readiness_url(parameters, model_name, str(args.get("model_version", "")))
         self.unload_watcher = start_unload_watcher(ready_url, lambda: self._submit_drain(grace))
 
     def _submit_drain(self, grace: float) -> None:
@@ -340,13 +341,13 @@ class TritonPythonModel:
         except RuntimeError:  # the worker is shutting down: finalize ends every sequence anyway
             pass
 
-    def _start_engine_core(self, model_name: str, config, heartbeat_timeout: float):
+    def _start_engine_core(self, model_name: str, config, heartbeat_timeout: float, watch):
         """The engine in its own process, stepping on demand (backend/engine_core/sync_client.py)."""
         from backend.engine_core.sync_client import SyncEngineCoreClient  # noqa: PLC0415
 
         metrics = self.metrics
         core = SyncEngineCoreClient(config, heartbeat_timeout,
-                                    on_restart=lambda reason: metrics.engine_restarts.increment(1))
+                                    on_restart=lambda reason: metrics.engine_restarts.increment(1), stub_watch=watch)
         return core, start_engine_core(core, model_name, config.model.tokenizer_dir)
 
     def _start_in_process(self, config):

@@ -186,7 +186,9 @@ def stub_pids(marker: str) -> list[int]:
 
 
 @pytest.mark.reliability
-def test_kill_9_of_the_llm_stub_ends_every_stream_and_the_launcher_brings_the_server_back(tmp_path, demo_model_dir):
+@pytest.mark.parametrize("model", ["llm", "llm_iterative"])
+def test_kill_9_of_the_stub_ends_every_stream_and_the_launcher_brings_the_server_back(tmp_path, demo_model_dir,
+                                                                                      model):
     """Issue 20's stub crash. Triton 2.51 never restarts a decoupled model's stub, and nothing but
     the dead stub could answer its streams, so the core (its child) stops tritonserver once it
     sees the stub gone while the model still serves (backend/engine_core/stub_watch.py): every
@@ -198,7 +200,7 @@ def test_kill_9_of_the_llm_stub_ends_every_stream_and_the_launcher_brings_the_se
     from backend.launcher import free_port, stop_process_group
     from tests.integration.conftest import write_model_repository
 
-    repo = write_model_repository(tmp_path / "repo", demo_model_dir)
+    repo = write_model_repository(tmp_path / "repo", demo_model_dir, models=(model,))
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     launcher = subprocess.Popen(
         [sys.executable, "-m", "backend.launcher", "--model-repository", str(repo), "--http-port", str(http_port),
@@ -210,19 +212,19 @@ def test_kill_9_of_the_llm_stub_ends_every_stream_and_the_launcher_brings_the_se
 
     def model_ready():
         try:
-            return http.is_model_ready("llm")
+            return http.is_model_ready(model)
         except Exception:
             return False
 
     try:
         wait_for(model_ready, 300, "the first server")
-        with StreamingClient(grpc_url) as client:
-            before = client.generate("the same prompt", max_tokens=8, ignore_eos=True, timeout=60)
+        with StreamingClient(grpc_url, model) as client:
+            before = client.generate("the same prompt", max_tokens=8, ignore_eos=True, stream=True, timeout=60)
         assert before.error is None
         (stub,) = stub_pids(str(repo))
         results: list = []
         jobs = streamed([(f"stream {i}", 1900) for i in range(4)])
-        thread = threading.Thread(target=lambda: results.extend(run_streams(grpc_url, jobs, timeout=120)),
+        thread = threading.Thread(target=lambda: results.extend(run_streams(grpc_url, jobs, timeout=120, model=model)),
                                   daemon=True)
         thread.start()
         time.sleep(3)  # every stream is decoding
@@ -241,13 +243,14 @@ def test_kill_9_of_the_llm_stub_ends_every_stream_and_the_launcher_brings_the_se
         back_after = time.monotonic() - killed_at
         (new_stub,) = stub_pids(str(repo))
         assert new_stub != stub
-        with StreamingClient(grpc_url) as client:
-            after = client.generate("the same prompt", max_tokens=8, ignore_eos=True, timeout=60)
+        with StreamingClient(grpc_url, model) as client:
+            after = client.generate("the same prompt", max_tokens=8, ignore_eos=True, stream=True, timeout=60)
         assert after.error is None and after.text == before.text
-        print(f"\nstub killed: model unready after {unready_after:.1f} s, every stream ended by {ended_after:.1f} s "
+        print(f"\n{model} stub killed: model unready after {unready_after:.1f} s, every stream ended by {ended_after:.1f} s "
               f"(errors like {results[0].error[:80]!r}), served again after {back_after:.1f} s")
         assert launcher.poll() is None
     finally:
+        http.close()  # an open keep-alive connection holds tritonserver's stop for its exit timeout
         stop_process_group(launcher, 60)
     log = (tmp_path / "launcher.log").read_text(errors="replace")
     assert "restarting it (restart 1" in log, log[-3000:]
