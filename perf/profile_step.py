@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # aten/mkldnn operator name fragments -> category (first match wins)
 CATEGORIES = (
     ("linear", ("linear", "addmm", "aten::mm", "matmul", "mkldnn", "onednn")),
-    ("attention", ("scaled_dot_product", "bmm", "softmax", "baddbmm", "index_select", "gather", "index_put",
+    ("attention", ("cpu_paged_decode", "scaled_dot_product", "bmm", "softmax", "baddbmm", "index_select", "gather", "index_put",
                    "masked_fill", "repeat_interleave")),
     ("norm", ("rsqrt", "pow", "mean", "rms_norm")),
     ("activation", ("silu", "gelu")),

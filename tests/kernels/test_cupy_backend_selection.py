@@ -79,7 +79,7 @@ def test_selector_refuses_cupy_without_a_gpu():
     selector = pytest.importorskip("backend.attention.selector")
     with pytest.raises((RuntimeError, ValueError), match="cupy"):
         selector.get_attention_backend("cupy", "cuda" if torch.cuda.is_available() else "cpu")
-    assert selector.get_attention_backend("auto", "cpu").name == "torch"
+    assert selector.get_attention_backend("auto", "cpu").name in ("torch", "cpu")  # never cupy on the CPU
 
 
 def test_engine_modules_import_without_cupy():

@@ -1,0 +1,141 @@
+"""Builds (once) and loads the CPU paged decode-attention kernel, ``paged_decode.cpp``.
+
+Why a plain shared library through ctypes rather than torch's cpp_extension: it compiles in about
+a second with g++ (cpp_extension's torch headers take most of a minute on 2 cores), and it needs
+nothing from torch but raw pointers. It is built with ``-fopenmp`` and loaded after torch, so its
+``libgomp.so.1`` is the one torch already loaded (same soname): one OpenMP runtime and one thread
+pool in the process, not two pools spinning against each other.
+
+The library is cached under ``build/cpu_kernels/<digest>/`` (``LLM_CPU_KERNEL_DIR`` overrides the
+root), keyed by the source, the flags and the compiler's version: a changed source rebuilds, and
+two processes building at once each write a private file and rename it into place.
+``load_kernel()`` returns the kernel or raises ``KernelUnavailable`` with the reason (no g++, a
+failed compile); the selector falls back to the torch path and logs that reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+REPO_ROOT = Path(__file__).resolve().parents[3]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+LIBRARY_NAME = "libpaged_decode.so"
+
+
+class KernelUnavailable(RuntimeError):
+    """The CPU kernel cannot be built or loaded here; the message says why."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LLM_CPU_KERNEL_DIR") or REPO_ROOT / "build" / "cpu_kernels")
+
+
+def compiler() -> str:
+    found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not found:
+        raise KernelUnavailable("no C++ compiler (g++) on PATH")
+    return found
+
+
+def build_digest(cxx: str) -> str:
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"{cxx} --version failed: {exc}") from None
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    digest.update(version.encode())
+    return digest.hexdigest()[:16]
+
+
+def build_library() -> Path:
+    """The cached library, compiled first when missing; raises KernelUnavailable."""
+    cxx = compiler()
+    folder = cache_root() / build_digest(cxx)
+    library = folder / LIBRARY_NAME
+    if library.exists():
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=LIBRARY_NAME + ".", dir=folder)
+    os.close(handle)
+    command = [cxx, *FLAGS, str(SOURCE), "-o", partial]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        os.unlink(partial)
+        raise KernelUnavailable(f"compiling {SOURCE.name} failed: {exc}") from None
+    if result.returncode != 0:
+        os.unlink(partial)
+        raise KernelUnavailable(f"compiling {SOURCE.name} failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
+    os.replace(partial, library)
+    logger.info("built the CPU paged decode kernel: %s", library)
+    return library
+
+
+class CpuDecodeKernel:
+    """The loaded library: ``paged_decode`` and the shape limits it was compiled with."""
+
+    def __init__(self, path: Path):
+        import torch  # noqa: F401, PLC0415 (torch's libgomp first: the kernel shares it)
+
+        try:
+            self.library = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise KernelUnavailable(f"loading {path} failed: {exc}") from None
+        self.path = path
+        self.max_group = self.library.paged_decode_max_group()
+        self.max_head_size = self.library.paged_decode_max_head_size()
+        self.max_block_size = self.library.paged_decode_max_block_size()
+        function = self.library.paged_decode
+        function.restype = None
+        pointer, integer = ctypes.c_void_p, ctypes.c_int
+        function.argtypes = [integer, pointer, pointer, pointer, pointer, pointer, pointer,
+                             integer, integer, integer, integer, integer, integer, ctypes.c_float]
+        self.function = function
+
+    def unsupported(self, group: int, head_size: int, block_size: int) -> str | None:
+        """Why the kernel cannot serve these shapes, or None."""
+        if group > self.max_group:
+            return f"{group} query heads per KV head (the kernel takes up to {self.max_group})"
+        if head_size > self.max_head_size:
+            return f"head size {head_size} (the kernel takes up to {self.max_head_size})"
+        if block_size > self.max_block_size:
+            return f"block size {block_size} (the kernel takes up to {self.max_block_size})"
+        return None
+
+
+_lock = threading.Lock()
+_loaded: CpuDecodeKernel | KernelUnavailable | None = None
+
+
+def load_kernel() -> CpuDecodeKernel:
+    """The kernel, built and loaded once per process; raises KernelUnavailable (remembered)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            try:
+                _loaded = CpuDecodeKernel(build_library())
+            except KernelUnavailable as exc:
+                _loaded = exc
+        if isinstance(_loaded, KernelUnavailable):
+            raise _loaded
+        return _loaded
+
+
+if __name__ == "__main__":  # make setup: build it ahead of the first model load
+    logging.basicConfig(level=logging.INFO)
+    try:
+        print(f"CPU paged decode kernel: {load_kernel().path}")
+    except KernelUnavailable as exc:
+        print(f"CPU paged decode kernel unavailable (the torch path serves): {exc}")

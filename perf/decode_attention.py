@@ -1,0 +1,93 @@
+"""Decode attention alone: the torch backend (gather + SDPA) against the CPU paged kernel, side by side.
+
+One layer's decode attention of ``--batch`` sequences over contexts of each ``--contexts`` length
+(every sequence the same length, and a mixed row with lengths uniform over 16..max), in float32
+and bfloat16, for the demo model's heads (8 query / 2 KV heads of 64) and SmolLM2's (9 / 3 of 64).
+Both backends see the same shuffled block tables; each cell is the median of ``--repeat`` timed
+calls after a warm-up, and the kernel's output is checked against torch's first.
+
+    .venv/bin/python -m perf.decode_attention [--batch 32] [--contexts 128,512,2048] [--repeat 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from backend.attention.base import AttentionMetadata
+from backend.attention.cpu_backend import CpuAttentionBackend
+from backend.attention.cpu_kernel.build import load_kernel
+from backend.attention.torch_backend import TorchAttentionBackend
+
+BLOCK_SIZE = 16
+MODELS = {"demo": (8, 2, 64), "smollm2": (9, 3, 64)}
+
+
+def make_step(seq_lens: list[int], heads: tuple[int, int, int], dtype: torch.dtype, seed: int):
+    num_heads, num_kv_heads, head_size = heads
+    rng = random.Random(seed)
+    needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    ids = list(range(1, sum(needed) + 1))
+    rng.shuffle(ids)
+    tables = torch.zeros(len(seq_lens), max(needed), dtype=torch.int32)
+    for i, n in enumerate(needed):
+        tables[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+        ids = ids[n:]
+    cache_shape = (sum(needed) + 1, BLOCK_SIZE, num_kv_heads, head_size)
+    key_cache = torch.randn(cache_shape).to(dtype)
+    value_cache = torch.randn(cache_shape).to(dtype)
+    query = torch.randn(len(seq_lens), num_heads, head_size).to(dtype)
+    slots = torch.tensor([int(tables[i, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+                          for i, n in enumerate(seq_lens)], dtype=torch.int64)
+    metadata = AttentionMetadata.build(slots, tables, seq_lens, [1] * len(seq_lens))
+    return query, key_cache, value_cache, metadata
+
+
+def time_decode(backend, query, key_cache, value_cache, metadata, repeat: int) -> tuple[float, torch.Tensor]:
+    """Median milliseconds of plan + decode (what a step pays once per layer), and the output."""
+    scale = query.shape[-1] ** -0.5
+    times, out = [], None
+    for i in range(repeat + 3):
+        start = time.perf_counter()
+        plan = backend.plan_step(metadata, BLOCK_SIZE, query.dtype)
+        out = backend.decode(query, key_cache, value_cache, metadata, plan, scale)
+        if i >= 3:
+            times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times), out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.decode_attention", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--contexts", default="128,512,2048")
+    parser.add_argument("--repeat", type=int, default=30)
+    args = parser.parse_args(argv)
+    kernel = load_kernel()
+    backends = {"torch": TorchAttentionBackend("cpu"), "cpu kernel": CpuAttentionBackend(kernel)}
+    print(f"torch threads: {torch.get_num_threads()}; batch {args.batch}; block size {BLOCK_SIZE}; "
+          f"median of {args.repeat} calls (plan + decode of one layer)")
+    print("| model | dtype | contexts | torch ms | cpu kernel ms | speed-up |")
+    print("| --- | --- | --- | ---: | ---: | ---: |")
+    for model, heads in MODELS.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            rows = [(str(c), [c] * args.batch) for c in map(int, args.contexts.split(","))]
+            longest = max(map(int, args.contexts.split(",")))
+            mixed_rng = random.Random(7)
+            rows.append((f"16-{longest} mixed", [mixed_rng.randint(16, longest) for _ in range(args.batch)]))
+            for label, lens in rows:
+                step = make_step(lens, heads, dtype, seed=len(lens))
+                results = {name: time_decode(b, *step, args.repeat) for name, b in backends.items()}
+                difference = (results["torch"][1].float() - results["cpu kernel"][1].float()).abs().max().item()
+                assert difference < (1e-4 if dtype == torch.float32 else 3e-2), f"outputs differ by {difference}"
+                base, fast = results["torch"][0], results["cpu kernel"][0]
+                print(f"| {model} | {str(dtype).removeprefix('torch.')} | {label} | {base:.3f} | {fast:.3f} | "
+                      f"{base / fast:.2f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
