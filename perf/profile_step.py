@@ -40,6 +40,10 @@ CATEGORIES = (
 )
 
 
+# Our own kernels, profiled through torch.profiler.record_function around their ctypes call.
+OWN_KERNELS = ("cpu_paged_decode",)
+
+
 def category(op_name: str) -> str:
     for name, fragments in CATEGORIES:
         if any(fragment in op_name for fragment in fragments):
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, seconds in step_output.stats.timings.items():
             phases[name] += seconds
         for event in profiler.key_averages():
-            if event.key.startswith(("aten::", "mkldnn::", "onednn::")) or "linear" in event.key:
+            if event.key.startswith(("aten::", "mkldnn::", "onednn::")) or event.key in OWN_KERNELS or "linear" in event.key:
                 op_times[event.key] += event.self_cpu_time_total / 1e6
 
     per_step_ms = step_total / args.steps * 1000

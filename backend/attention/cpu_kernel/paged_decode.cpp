@@ -213,6 +213,19 @@ void decode_avx2(const T* query, const T* key_cache, const T* value_cache, const
         const int tokens = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
         const T* k_block = key_cache + block * block_stride + static_cast<int64_t>(kv_head) * head_size;
         const T* v_block = value_cache + block * block_stride + static_cast<int64_t>(kv_head) * head_size;
+        if (b + 1 < num_blocks) {  // the next block is anywhere in memory: start fetching its rows now
+          const int64_t next = block_tables[static_cast<int64_t>(s) * max_blocks + b + 1];
+          const char* k_next = reinterpret_cast<const char*>(key_cache + next * block_stride + static_cast<int64_t>(kv_head) * head_size);
+          const char* v_next = reinterpret_cast<const char*>(value_cache + next * block_stride + static_cast<int64_t>(kv_head) * head_size);
+          const int row_bytes = head_size * static_cast<int>(sizeof(T));
+          const int64_t stride_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+          for (int t = 0; t < block_size; ++t) {
+            for (int offset = 0; offset < row_bytes; offset += 64) {
+              _mm_prefetch(k_next + t * stride_bytes + offset, _MM_HINT_T0);
+              _mm_prefetch(v_next + t * stride_bytes + offset, _MM_HINT_T0);
+            }
+          }
+        }
         for (int g = 0; g < group; ++g) {
           const float* q_row = q + g * head_size;
           float* scores = probs + g * probs_stride;
