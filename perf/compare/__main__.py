@@ -10,6 +10,8 @@ Systems (same prompts, same forced output lengths, greedy, same dtype):
   server's ``llm_engine_core_ipc_seconds`` histogram);
 * ``triton-thread``: the same with ``engine_process: false`` (the engine on a thread of the stub);
 * ``engine``: our engine in-process (perf.compare.engine_in_process), no server;
+* ``engine-torch-attention``: the same with ``attention_backend: torch`` (decode attention by
+  gather + SDPA instead of the CPU paged kernel), to measure the kernel side by side;
 * ``vllm``: vLLM's CPU build from ``make peers`` through its OpenAI streaming endpoint, with the
   same load generator (``--api openai``); run in the ``default`` and ``tuned`` setups
   (perf.compare.vllm_server) and compared against the better one;
@@ -45,7 +47,7 @@ from perf.compare.cpu_meter import CpuMeter
 from perf.compare.report import SystemResult, markdown_report, medians_report, write_plot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ALL_SYSTEMS = ("triton", "triton-thread", "engine", "vllm", "hf-continuous", "hf-static")
+ALL_SYSTEMS = ("triton", "triton-thread", "engine", "engine-torch-attention", "vllm", "hf-continuous", "hf-static")
 
 
 TRITON_THREAD_NAME = "In-thread engine, Triton llm (engine_process false)"
@@ -168,13 +170,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  engine-core IPC per step: median {ipc['median_us']:.0f} us over {ipc['count']} steps")
             name = TRITON_THREAD_NAME if in_thread else "Triton llm (gRPC streaming)"
             note(served_result(name, completed, duration, load_before, cpu))
-        elif system == "engine":
+        elif system in ("engine", "engine-torch-attention"):
             from perf.compare.engine_in_process import run_engine_in_process
 
+            overrides = {"dtype": args.dtype}
+            name = "our engine in-process"
+            if system == "engine-torch-attention":  # the decode attention before the CPU kernel
+                overrides["attention_backend"] = "torch"
+                name += ", torch attention"
             records, duration, summary = run_engine_in_process(model_folder, token_requests, pattern,
-                                                               {"dtype": args.dtype}, args.seed, args.progress_interval)
-            extra["engine"] = summary
-            result = SystemResult.from_metrics("our engine in-process", compute_metrics(records, duration),
+                                                               overrides, args.seed, args.progress_interval)
+            extra[system] = summary
+            result = SystemResult.from_metrics(name, compute_metrics(records, duration),
                                                pattern.label, load=(load_before, os.getloadavg()[0]))
             result.server_cpu_s = summary["cpu_s"]
             note(result)

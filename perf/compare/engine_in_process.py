@@ -70,5 +70,6 @@ def run_engine_in_process(
         records.append(RequestRecord(record.arrival, record.end_time, record.first_token_time, tuple(record.token_times),
                                      record.num_output_tokens, record.num_input_tokens, error=record.error))
     stats = engine.stats()
-    summary = {"steps": driver.steps, "preemptions": stats.num_preemptions, "cpu_s": cpu_s, "config": str(config)}
+    summary = {"steps": driver.steps, "preemptions": stats.num_preemptions, "cpu_s": cpu_s, "config": str(config),
+               "attention_backend": engine.model_runner.attention_backend.name}
     return records, duration, summary

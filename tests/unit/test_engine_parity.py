@@ -79,10 +79,10 @@ def _demo(demo_model_dir):
 
 def build_engine(model_key: str, block_size: int = 16, num_kv_blocks: int = 1024,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
-                 enable_prefix_caching: bool = True) -> LLMEngine:
+                 enable_prefix_caching: bool = True, attention: str = "torch") -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model_dir=model_path(model_key), tokenizer_dir=str(_DEMO_DIR), dtype="float32",
-                          device="cpu", attention_backend="torch", max_model_len=MAX_MODEL_LEN),
+                          device="cpu", attention_backend=attention, max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -102,21 +102,27 @@ MODELS = [
     ("qwen2_tied", 7, 1024),
     ("llama3_mha", 12, 512),
 ]
+# The torch reference path, and the CPU paged decode kernel (backend/attention/cpu_kernel) that
+# attention_backend auto picks on the CPU: both token for token equal to transformers in float32.
+ATTENTIONS = pytest.mark.parametrize("attention", ["torch", "cpu"])
 
 
+@ATTENTIONS
 @pytest.mark.parametrize(("model_key", "block_size", "vocab"), MODELS, ids=[m[0] for m in MODELS])
-def test_batched_greedy_equals_transformers(model_key, block_size, vocab):
+def test_batched_greedy_equals_transformers(model_key, block_size, vocab, attention):
     prompts = make_prompts(vocab, seed=1)
     expected = hf_reference(model_key, tuple(map(tuple, prompts)))
-    engine = build_engine(model_key, block_size=block_size)
+    engine = build_engine(model_key, block_size=block_size, attention=attention)
+    assert engine.model_runner.attention_backend.name == attention
     assert run_engine(engine, prompts) == expected
 
 
+@ATTENTIONS
 @pytest.mark.parametrize(("model_key", "block_size", "vocab"), MODELS, ids=[m[0] for m in MODELS])
-def test_parity_with_prefix_cache_hits(model_key, block_size, vocab):
+def test_parity_with_prefix_cache_hits(model_key, block_size, vocab, attention):
     prompts = make_prompts(vocab, seed=2, shared_prefix=3 * block_size + 2)
     expected = hf_reference(model_key, tuple(map(tuple, prompts)))
-    engine = build_engine(model_key, block_size=block_size)
+    engine = build_engine(model_key, block_size=block_size, attention=attention)
     first = run_engine(engine, prompts)
     hits_after_first = engine.stats().prefix_cache_hits
     second = run_engine(engine, prompts)  # now whole prompts (but their last token) are cached
@@ -127,11 +133,12 @@ def test_parity_with_prefix_cache_hits(model_key, block_size, vocab):
     assert second == expected
 
 
+@ATTENTIONS
 @pytest.mark.parametrize(("model_key", "block_size", "vocab"), MODELS, ids=[m[0] for m in MODELS])
-def test_parity_with_chunked_prefill(model_key, block_size, vocab):
+def test_parity_with_chunked_prefill(model_key, block_size, vocab, attention):
     prompts = make_prompts(vocab, seed=1)
     expected = hf_reference(model_key, tuple(map(tuple, prompts)))
-    engine = build_engine(model_key, block_size=block_size, max_num_batched_tokens=48)
+    engine = build_engine(model_key, block_size=block_size, max_num_batched_tokens=48, attention=attention)
     params = [SamplingParams(max_tokens=max_tokens_for(i)) for i in range(len(prompts))]
     for index, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(index), prompt_token_ids=prompt, sampling_params=param)

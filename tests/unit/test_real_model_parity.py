@@ -77,10 +77,10 @@ def hf_reference(folder: str) -> tuple[list[list[int]], list[list[float]]]:
     return tokens, gaps
 
 
-def engine_for(folder: str, max_num_batched_tokens: int = 2048) -> LLMEngine:
+def engine_for(folder: str, max_num_batched_tokens: int = 2048, attention: str = "torch") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(model_dir=folder, tokenizer_dir=folder, dtype="float32", device="cpu",
-                          attention_backend="torch", max_model_len=2048),
+                          attention_backend=attention, max_model_len=2048),
         cache=CacheConfig(block_size=16, num_kv_blocks=512, enable_prefix_caching=True),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens),
     ))
@@ -120,14 +120,17 @@ def generate_stepwise(engine: LLMEngine, prompts: list[list[int]], tag: str) -> 
     return [tokens[f"{tag}-{i}"] for i in range(len(prompts))], prefill_steps
 
 
-def test_batched_greedy_equals_transformers_on_smollm2(real_model_dir):
+@pytest.mark.parametrize("attention", ["torch", "cpu"])  # the reference path and the CPU decode kernel
+def test_batched_greedy_equals_transformers_on_smollm2(real_model_dir, attention):
     folder = str(real_model_dir)
     prompts = prompts_for(folder)
     assert max(len(p) for p in prompts) > 300
     expected, gaps = hf_reference(folder)
     assert any(len(t) < MAX_TOKENS for t in expected)  # some answers end at <|im_end|>
-    near_ties = compare(generate(engine_for(folder), prompts), expected, gaps)
-    print(f"\nSmolLM2 batched parity: {len(prompts)} prompts, {near_ties} near-ties")
+    engine = engine_for(folder, attention=attention)
+    assert engine.model_runner.attention_backend.name == attention
+    near_ties = compare(generate(engine, prompts), expected, gaps)
+    print(f"\nSmolLM2 batched parity ({attention} attention): {len(prompts)} prompts, {near_ties} near-ties")
 
 
 def test_parity_with_prefix_hits_and_chunked_prefill_on_smollm2(real_model_dir):
