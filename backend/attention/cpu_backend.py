@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from backend.attention.base import AttentionMetadata
-from backend.attention.cpu_kernel.build import CpuDecodeKernel
+from backend.attention.cpu_kernel.build import CpuKernels
 from backend.attention.torch_backend import TorchAttentionBackend, _TorchPlan
 
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -22,7 +22,7 @@ KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self, kernel: CpuDecodeKernel):
+    def __init__(self, kernel: CpuKernels):
         super().__init__(torch.device("cpu"))
         self.kernel = kernel
 
@@ -44,7 +44,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 
 def paged_decode(
-    kernel: CpuDecodeKernel,
+    kernel: CpuKernels,
     query: torch.Tensor,  # [n, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -64,7 +64,7 @@ def paged_decode(
     if n == 0:
         return out
     with torch.profiler.record_function("cpu_paged_decode"):  # perf.profile_step counts it as attention
-        kernel.function(KERNEL_DTYPES[query.dtype], query.data_ptr(), key_cache.data_ptr(),
+        kernel.paged_decode(KERNEL_DTYPES[query.dtype], query.data_ptr(), key_cache.data_ptr(),
                         value_cache.data_ptr(),
                         block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads,
                         head_size, block_size, block_tables.shape[1], scale)

@@ -16,6 +16,7 @@ from torch import nn
 
 from backend.attention.base import AttentionMetadata
 from backend.attention.paged import PagedAttentionBackend as AttentionBackend
+from backend.models import cpu_fused
 from backend.models.cpu_linear import Linear, packed_linear, prepack_weight
 from backend.models.rope import RotaryEmbedding, get_rope_parameters
 from backend.models.shape import ModelShape
@@ -28,12 +29,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
+        self.kernels = None  # the CPU kernels (backend/models/cpu_fused.py), set by use_cpu_kernels
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden_size]
         residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
     ):
+        if self.kernels is not None and cpu_fused.takes(x, self.weight, *(() if residual is None else (residual,))):
+            out = cpu_fused.rms_norm(self.kernels, x, self.weight, self.eps, residual)  # residual += x in place
+            return out if residual is None else (out, residual)
         if residual is not None:
             x = residual + x
             residual = x
@@ -81,9 +86,12 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = hf_config.intermediate_size
         self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
+        self.kernels = None  # the CPU kernels (backend/models/cpu_fused.py), set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        if self.kernels is not None and cpu_fused.takes(gate_up):
+            return self.down_proj(cpu_fused.silu_mul(self.kernels, gate_up))
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
         return self.down_proj(F.silu(gate) * up)
 
@@ -173,6 +181,13 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:  # tied: pack the embedding matrix once more for the logits GEMM
             self.logits_packed = prepack_weight(self.model.embed_tokens.weight)
         return True
+
+    def use_cpu_kernels(self, kernels) -> int:
+        """Runs every RMSNorm and SiLU x up through the fused CPU kernels; returns how many modules."""
+        modules = [m for m in self.modules() if isinstance(m, (RMSNorm, LlamaMLP))]
+        for module in modules:
+            module.kernels = kernels
+        return len(modules)
 
     @torch.inference_mode()
     def forward(

@@ -11,6 +11,7 @@ streaming client, minus the transport. This is the ceiling the Triton path is me
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -71,5 +72,7 @@ def run_engine_in_process(
                                      record.num_output_tokens, record.num_input_tokens, error=record.error))
     stats = engine.stats()
     summary = {"steps": driver.steps, "preemptions": stats.num_preemptions, "cpu_s": cpu_s, "config": str(config),
-               "attention_backend": engine.model_runner.attention_backend.name}
+               "attention_backend": engine.model_runner.attention_backend.name,
+               "fused_cpu_ops": os.environ.get("LLM_CPU_FUSED_OPS", "1") != "0"
+               and engine.model_runner.attention_backend.name == "cpu"}
     return records, duration, summary

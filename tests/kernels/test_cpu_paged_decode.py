@@ -118,8 +118,8 @@ def test_without_a_compiler_auto_falls_back_to_torch_and_says_why(monkeypatch, t
 def test_a_source_that_does_not_compile_is_reported_with_the_compiler_output(monkeypatch, tmp_path):
     bad = tmp_path / "paged_decode.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(build, "SOURCE", bad)
+    monkeypatch.setattr(build, "SOURCES", [bad])
     monkeypatch.setenv("LLM_CPU_KERNEL_DIR", str(tmp_path / "cache"))
-    with pytest.raises(build.KernelUnavailable, match="compiling paged_decode.cpp failed"):
+    with pytest.raises(build.KernelUnavailable, match="compiling the CPU kernels failed"):
         build.build_library()
     assert not list((tmp_path / "cache").rglob("*.so*"))  # no partial library left behind

@@ -1,4 +1,5 @@
-"""Builds (once) and loads the CPU paged decode-attention kernel, ``paged_decode.cpp``.
+"""Builds (once) and loads the CPU kernels: paged decode attention (``paged_decode.cpp``) and the
+fused RMSNorm and SiLU x up (``fused_ops.cpp``), one shared library.
 
 Why a plain shared library through ctypes rather than torch's cpp_extension: it compiles in about
 a second with g++ (cpp_extension's torch headers take most of a minute on 2 cores), and it needs
@@ -27,10 +28,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "paged_decode.cpp", HERE / "fused_ops.cpp"]
+HEADERS = [HERE / "simd.h"]
 REPO_ROOT = Path(__file__).resolve().parents[3]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
-LIBRARY_NAME = "libpaged_decode.so"
+LIBRARY_NAME = "libllm_cpu_kernels.so"
 
 
 class KernelUnavailable(RuntimeError):
@@ -53,7 +56,9 @@ def build_digest(cxx: str) -> str:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"{cxx} --version failed: {exc}") from None
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in [*SOURCES, *HEADERS]:
+        digest.update(path.read_bytes())
     digest.update(" ".join(FLAGS).encode())
     digest.update(version.encode())
     return digest.hexdigest()[:16]
@@ -69,25 +74,26 @@ def build_library() -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(prefix=LIBRARY_NAME + ".", dir=folder)
     os.close(handle)
-    command = [cxx, *FLAGS, str(SOURCE), "-o", partial]
+    command = [cxx, *FLAGS, *map(str, SOURCES), "-o", partial]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as exc:
         os.unlink(partial)
-        raise KernelUnavailable(f"compiling {SOURCE.name} failed: {exc}") from None
+        raise KernelUnavailable(f"compiling the CPU kernels failed: {exc}") from None
     if result.returncode != 0:
         os.unlink(partial)
-        raise KernelUnavailable(f"compiling {SOURCE.name} failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
+        raise KernelUnavailable(f"compiling the CPU kernels failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
     os.replace(partial, library)
-    logger.info("built the CPU paged decode kernel: %s", library)
+    logger.info("built the CPU kernels: %s", library)
     return library
 
 
-class CpuDecodeKernel:
-    """The loaded library: ``paged_decode`` and the shape limits it was compiled with."""
+class CpuKernels:
+    """The loaded library: ``paged_decode``, ``fused_rms_norm``, ``fused_silu_mul`` (ctypes functions)
+    and the shape limits paged_decode was compiled with."""
 
     def __init__(self, path: Path):
-        import torch  # noqa: F401, PLC0415 (torch's libgomp first: the kernel shares it)
+        import torch  # noqa: F401, PLC0415 (torch's libgomp first: the kernels share it)
 
         try:
             self.library = ctypes.CDLL(str(path))
@@ -97,12 +103,19 @@ class CpuDecodeKernel:
         self.max_group = self.library.paged_decode_max_group()
         self.max_head_size = self.library.paged_decode_max_head_size()
         self.max_block_size = self.library.paged_decode_max_block_size()
-        function = self.library.paged_decode
+        pointer, integer, size, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+        self.paged_decode = self._function("paged_decode", [integer, pointer, pointer, pointer, pointer, pointer,
+                                                            pointer, integer, integer, integer, integer, integer,
+                                                            integer, real])
+        self.fused_rms_norm = self._function("fused_rms_norm", [integer, pointer, pointer, pointer, pointer, size,
+                                                                size, real])
+        self.fused_silu_mul = self._function("fused_silu_mul", [integer, pointer, pointer, size, size])
+
+    def _function(self, name: str, argtypes: list):
+        function = getattr(self.library, name)
         function.restype = None
-        pointer, integer = ctypes.c_void_p, ctypes.c_int
-        function.argtypes = [integer, pointer, pointer, pointer, pointer, pointer, pointer,
-                             integer, integer, integer, integer, integer, integer, ctypes.c_float]
-        self.function = function
+        function.argtypes = argtypes
+        return function
 
     def unsupported(self, group: int, head_size: int, block_size: int) -> str | None:
         """Why the kernel cannot serve these shapes, or None."""
@@ -116,16 +129,16 @@ class CpuDecodeKernel:
 
 
 _lock = threading.Lock()
-_loaded: CpuDecodeKernel | KernelUnavailable | None = None
+_loaded: CpuKernels | KernelUnavailable | None = None
 
 
-def load_kernel() -> CpuDecodeKernel:
+def load_kernel() -> CpuKernels:
     """The kernel, built and loaded once per process; raises KernelUnavailable (remembered)."""
     global _loaded
     with _lock:
         if _loaded is None:
             try:
-                _loaded = CpuDecodeKernel(build_library())
+                _loaded = CpuKernels(build_library())
             except KernelUnavailable as exc:
                 _loaded = exc
         if isinstance(_loaded, KernelUnavailable):
@@ -136,6 +149,6 @@ def load_kernel() -> CpuDecodeKernel:
 if __name__ == "__main__":  # make setup: build it ahead of the first model load
     logging.basicConfig(level=logging.INFO)
     try:
-        print(f"CPU paged decode kernel: {load_kernel().path}")
+        print(f"CPU kernels: {load_kernel().path}")
     except KernelUnavailable as exc:
-        print(f"CPU paged decode kernel unavailable (the torch path serves): {exc}")
+        print(f"CPU kernels unavailable (the torch path serves): {exc}")
