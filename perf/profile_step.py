@@ -34,14 +34,14 @@ CATEGORIES = (
     ("attention", ("cpu_paged_decode", "scaled_dot_product", "bmm", "softmax", "baddbmm", "index_select", "gather", "index_put",
                    "masked_fill", "repeat_interleave")),
     ("norm", ("rsqrt", "pow", "mean", "rms_norm")),
-    ("activation", ("silu", "gelu")),
+    ("activation", ("silu", "gelu")),  # cpu_fused_silu_mul too
     ("elementwise", ("aten::mul", "aten::add", "aten::cat", "aten::neg", "aten::sub", "aten::div", "copy_",
                      "aten::to", "contiguous", "clone")),
 )
 
 
 # Our own kernels, profiled through torch.profiler.record_function around their ctypes call.
-OWN_KERNELS = ("cpu_paged_decode",)
+OWN_KERNELS = ("cpu_paged_decode", "cpu_fused_rms_norm", "cpu_fused_silu_mul")
 
 
 def category(op_name: str) -> str:

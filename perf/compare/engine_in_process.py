@@ -73,6 +73,6 @@ def run_engine_in_process(
     stats = engine.stats()
     summary = {"steps": driver.steps, "preemptions": stats.num_preemptions, "cpu_s": cpu_s, "config": str(config),
                "attention_backend": engine.model_runner.attention_backend.name,
-               "fused_cpu_ops": os.environ.get("LLM_CPU_FUSED_OPS", "1") != "0"
+               "fused_cpu_ops": os.environ.get("LLM_CPU_FUSED_OPS", "0") == "1"
                and engine.model_runner.attention_backend.name == "cpu"}
     return records, duration, summary

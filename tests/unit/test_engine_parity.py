@@ -117,6 +117,16 @@ def test_batched_greedy_equals_transformers(model_key, block_size, vocab, attent
     assert run_engine(engine, prompts) == expected
 
 
+def test_batched_greedy_with_the_fused_cpu_ops_equals_transformers(monkeypatch):
+    """The opt-in fused RMSNorm and SiLU x up (LLM_CPU_FUSED_OPS=1) keep float32 parity too."""
+    monkeypatch.setenv("LLM_CPU_FUSED_OPS", "1")
+    prompts = make_prompts(8192, seed=1)
+    expected = hf_reference("demo", tuple(map(tuple, prompts)))
+    engine = build_engine("demo", attention="cpu")
+    assert engine.model_runner.model.model.norm.kernels is not None
+    assert run_engine(engine, prompts) == expected
+
+
 @ATTENTIONS
 @pytest.mark.parametrize(("model_key", "block_size", "vocab"), MODELS, ids=[m[0] for m in MODELS])
 def test_parity_with_prefix_cache_hits(model_key, block_size, vocab, attention):
