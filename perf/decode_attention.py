@@ -7,6 +7,11 @@ Both backends see the same shuffled block tables; each cell is the median of ``-
 calls after a warm-up, and the kernel's output is checked against torch's first.
 
     .venv/bin/python -m perf.decode_attention [--batch 32] [--contexts 128,512,2048] [--repeat 30]
+    .venv/bin/python -m perf.decode_attention --cold
+
+``--cold`` times the kernel alone as a decode step sees it: a 1 GiB bf16 cache per K and V with
+each sequence's blocks spread over all of it, and 64 MB of other memory written between calls so
+the K/V come from DRAM (against the same call with warm caches).
 """
 
 from __future__ import annotations
@@ -60,13 +65,49 @@ def time_decode(backend, query, key_cache, value_cache, metadata, repeat: int) -
     return statistics.median(times), out
 
 
+def cold_cache(kernel, batch: int, repeat: int) -> int:
+    """Warm against cold K/V for the kernel alone (see the module docstring)."""
+    from backend.attention.cpu_backend import paged_decode  # noqa: PLC0415
+
+    num_heads, num_kv_heads, head_size = MODELS["smollm2"]
+    dtype = torch.bfloat16
+    num_blocks = (1 << 30) // (BLOCK_SIZE * num_kv_heads * head_size * 2)
+    key_cache = torch.empty(num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=dtype).normal_()
+    value_cache = torch.empty_like(key_cache).normal_()
+    other = torch.ones(64 << 20, dtype=torch.uint8)
+    rng = random.Random(0)
+    seq_len = 200
+    tables = torch.tensor([[rng.randrange(1, num_blocks) for _ in range(-(-seq_len // BLOCK_SIZE))]
+                           for _ in range(batch)], dtype=torch.int32)
+    lens = torch.full((batch,), seq_len, dtype=torch.int32)
+    query = torch.randn(batch, num_heads, head_size).to(dtype)
+    kv_bytes = batch * seq_len * num_kv_heads * head_size * 2 * 2
+    print(f"kernel alone, SmolLM2 heads, bf16, {batch} x {seq_len} tokens ({kv_bytes / 1e6:.1f} MB of K/V), "
+          f"blocks spread over a 1 GiB cache; median of {repeat}")
+    print("| caches | ms | GB/s of K/V |\n| --- | ---: | ---: |")
+    for cold in (False, True):
+        times = []
+        for _ in range(repeat + 3):
+            if cold:
+                other.add_(1)  # evicts the K/V from every cache level
+            start = time.perf_counter()
+            paged_decode(kernel, query, key_cache, value_cache, tables, lens, head_size ** -0.5)
+            times.append((time.perf_counter() - start) * 1000)
+        ms = statistics.median(times[3:])
+        print(f"| {'cold (from memory)' if cold else 'warm'} | {ms:.3f} | {kv_bytes / ms / 1e6:.1f} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.decode_attention", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--contexts", default="128,512,2048")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--cold", action="store_true", help="the kernel with its K/V in DRAM, against warm")
     args = parser.parse_args(argv)
     kernel = load_kernel()
+    if args.cold:
+        return cold_cache(kernel, args.batch, args.repeat)
     backends = {"torch": TorchAttentionBackend("cpu"), "cpu kernel": CpuAttentionBackend(kernel)}
     print(f"torch threads: {torch.get_num_threads()}; batch {args.batch}; block size {BLOCK_SIZE}; "
           f"median of {args.repeat} calls (plan + decode of one layer)")

@@ -123,3 +123,13 @@ def test_a_source_that_does_not_compile_is_reported_with_the_compiler_output(mon
     with pytest.raises(build.KernelUnavailable, match="compiling the CPU kernels failed"):
         build.build_library()
     assert not list((tmp_path / "cache").rglob("*.so*"))  # no partial library left behind
+
+
+def test_the_decode_attention_benchmark_runs_at_toy_size(capsys):
+    """perf.decode_attention: every row printed (its own assert checks the kernel against torch)."""
+    from perf import decode_attention
+
+    assert decode_attention.main(["--batch", "3", "--contexts", "20,40", "--repeat", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| demo") or
+            line.startswith("| smollm2")]
+    assert len(rows) == 2 * 2 * 3  # models x dtypes x (2 contexts + mixed)
