@@ -60,6 +60,11 @@ def test_long_contexts_up_to_4k(kernel, dtype):
     decode_and_compare(kernel, [4096, 2049, 1], (8, 2), 128, dtype, seed=3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_sizes_the_avx2_path_does_not_take_use_the_plain_loops(kernel, dtype):
+    decode_and_compare(kernel, [1, 17, 100], (9, 3), 36, dtype, seed=36)  # 36 is not a multiple of 8
+
+
 @pytest.mark.parametrize("block_size", [1, 8, 32])
 def test_other_block_sizes(kernel, block_size):
     decode_and_compare(kernel, [1, 31, 64, 95], (9, 3), 64, torch.float32, block_size=block_size, seed=block_size)

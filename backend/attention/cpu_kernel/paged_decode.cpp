@@ -25,6 +25,28 @@ constexpr int kMaxGroup = 32;
 constexpr int kMaxHeadSize = 256;
 constexpr int kMaxBlockSize = 256;
 
+// One (sequence, KV head) task's start: its `group` query rows scaled into float32, the accumulators
+// zeroed, the online softmax's running max at -inf and running sum at 0.
+template <typename T>
+inline void begin_task(const T* query_rows, int group, int head_size, float scale, float* q, float* acc,
+                       float* running_max, float* running_sum) {
+  for (int g = 0; g < group; ++g) {
+    for (int d = 0; d < head_size; ++d) q[g * head_size + d] = load(query_rows[g * head_size + d]) * scale;
+    for (int d = 0; d < head_size; ++d) acc[g * head_size + d] = 0.0f;
+    running_max[g] = -std::numeric_limits<float>::infinity();
+    running_sum[g] = 0.0f;
+  }
+}
+
+// Its end: each query row's accumulated values divided by its softmax sum, in the output's dtype.
+template <typename T>
+inline void finish_task(const float* acc, const float* running_sum, int group, int head_size, T* out_rows) {
+  for (int g = 0; g < group; ++g) {
+    const float inverse = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
+    for (int d = 0; d < head_size; ++d) store(out_rows + g * head_size + d, acc[g * head_size + d] * inverse);
+  }
+}
+
 template <typename T>
 void decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
             const int32_t* seq_lens, T* out, int num_seqs, int num_heads, int num_kv_heads, int head_size,
@@ -41,13 +63,8 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
       float running_max[kMaxGroup];
       float running_sum[kMaxGroup];
       const int first_head = kv_head * group;
-      for (int g = 0; g < group; ++g) {
-        const T* q_row = query + (static_cast<int64_t>(s) * num_heads + first_head + g) * head_size;
-        for (int d = 0; d < head_size; ++d) q[g * head_size + d] = load(q_row[d]) * scale;
-        for (int d = 0; d < head_size; ++d) acc[g * head_size + d] = 0.0f;
-        running_max[g] = -std::numeric_limits<float>::infinity();
-        running_sum[g] = 0.0f;
-      }
+      begin_task(query + (static_cast<int64_t>(s) * num_heads + first_head) * head_size, group, head_size, scale, q,
+                 acc, running_max, running_sum);
       const int seq_len = seq_lens[s];
       const int num_blocks = (seq_len + block_size - 1) / block_size;
       for (int b = 0; b < num_blocks; ++b) {
@@ -90,11 +107,7 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
           }
         }
       }
-      for (int g = 0; g < group; ++g) {
-        T* out_row = out + (static_cast<int64_t>(s) * num_heads + first_head + g) * head_size;
-        const float inverse = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
-        for (int d = 0; d < head_size; ++d) store(out_row + d, acc[g * head_size + d] * inverse);
-      }
+      finish_task(acc, running_sum, group, head_size, out + (static_cast<int64_t>(s) * num_heads + first_head) * head_size);
     }
   }
 }
@@ -137,13 +150,8 @@ void decode_avx2(const T* query, const T* key_cache, const T* value_cache, const
       float running_sum[kMaxGroup];
       const int probs_stride = block_size;
       const int first_head = kv_head * group;
-      for (int g = 0; g < group; ++g) {
-        const T* q_row = query + (static_cast<int64_t>(s) * num_heads + first_head + g) * head_size;
-        for (int d = 0; d < head_size; ++d) q[g * head_size + d] = load(q_row[d]) * scale;
-        for (int d = 0; d < head_size; ++d) acc[g * head_size + d] = 0.0f;
-        running_max[g] = -std::numeric_limits<float>::infinity();
-        running_sum[g] = 0.0f;
-      }
+      begin_task(query + (static_cast<int64_t>(s) * num_heads + first_head) * head_size, group, head_size, scale, q,
+                 acc, running_max, running_sum);
       const int seq_len = seq_lens[s];
       const int num_blocks = (seq_len + block_size - 1) / block_size;
       for (int b = 0; b < num_blocks; ++b) {
@@ -214,11 +222,7 @@ void decode_avx2(const T* query, const T* key_cache, const T* value_cache, const
           default: break;
         }
       }
-      for (int g = 0; g < group; ++g) {
-        T* out_row = out + (static_cast<int64_t>(s) * num_heads + first_head + g) * head_size;
-        const float inverse = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
-        for (int d = 0; d < head_size; ++d) store(out_row + d, acc[g * head_size + d] * inverse);
-      }
+      finish_task(acc, running_sum, group, head_size, out + (static_cast<int64_t>(s) * num_heads + first_head) * head_size);
     }
   }
 }
