@@ -14,7 +14,7 @@ import torch
 
 from backend.attention.base import AttentionMetadata
 from backend.attention.cpu_kernel.build import CpuKernels
-from backend.attention.torch_backend import TorchAttentionBackend, _TorchPlan
+from backend.attention.torch_backend import TorchAttentionBackend, _TorchPlan, plan_cache_write
 
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -27,13 +27,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.kernel = kernel
 
     def plan_step(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
-        slot_mapping = metadata.slot_mapping
-        valid = slot_mapping >= 0
-        if bool(valid.all()):
-            write_slots, write_rows = slot_mapping, None
-        else:
-            write_rows = valid.nonzero().squeeze(1)
-            write_slots = slot_mapping.index_select(0, write_rows)
+        write_slots, write_rows = plan_cache_write(metadata.slot_mapping)
         n = metadata.num_decodes
         tables = metadata.block_tables[:n].to(torch.int32).contiguous()
         lens = metadata.seq_lens[:n].to(torch.int32).contiguous()

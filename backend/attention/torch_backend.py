@@ -75,6 +75,17 @@ def plan_decode_groups(seq_lens: list[int], block_size: int, max_groups: int | N
     return groups[::-1]
 
 
+def plan_cache_write(
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1: do not write
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([num_valid] slots, [num_valid] rows or None: all rows)
+    """The slots to write this step's K/V into, and which rows of key/value go there."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping, None
+    write_rows = valid.nonzero().squeeze(1)
+    return slot_mapping.index_select(0, write_rows), write_rows
+
+
 @dataclass(slots=True)
 class _TorchPlan:
     """The torch backend's per-step part of the plan: where to write, and the decode groups."""
@@ -95,13 +106,7 @@ class TorchAttentionBackend(PagedAttentionBackend):
 
     def plan_step(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
         device = metadata.slot_mapping.device
-        slot_mapping = metadata.slot_mapping
-        valid = slot_mapping >= 0
-        if bool(valid.all()):
-            write_slots, write_rows = slot_mapping, None
-        else:
-            write_rows = valid.nonzero().squeeze(1)
-            write_slots = slot_mapping.index_select(0, write_rows)
+        write_slots, write_rows = plan_cache_write(metadata.slot_mapping)
         num_decodes = metadata.num_decodes
         decode_lens = metadata.seq_lens_list[:num_decodes]
         decode_groups = []
