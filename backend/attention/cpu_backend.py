@@ -10,13 +10,26 @@ prefill (compute-bound, where torch's SDPA does well) stay torch's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from backend.attention.base import AttentionMetadata
 from backend.attention.cpu_kernel.build import CpuKernels
-from backend.attention.torch_backend import TorchAttentionBackend, _TorchPlan, plan_cache_write
+from backend.attention.torch_backend import TorchAttentionBackend, plan_cache_write
 
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@dataclass(slots=True)
+class _CpuPlan:
+    """The per-step plan: torch's cache write (TorchAttentionBackend.write_cache reads the first
+    two), and the decodes' block tables and lengths as the kernel takes them."""
+
+    write_slots: torch.Tensor  # [num_valid] int64 slots to write
+    write_rows: torch.Tensor | None  # [num_valid] int64 rows of key/value; None: all rows, in order
+    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [num_decodes] int32, contiguous
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -26,15 +39,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(torch.device("cpu"))
         self.kernel = kernel
 
-    def plan_step(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
-        write_slots, write_rows = plan_cache_write(metadata.slot_mapping)
+    def plan_step(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _CpuPlan:
         n = metadata.num_decodes
-        tables = metadata.block_tables[:n].to(torch.int32).contiguous()
-        lens = metadata.seq_lens[:n].to(torch.int32).contiguous()
-        return _TorchPlan(write_slots, write_rows, [(tables, lens)])
+        return _CpuPlan(*plan_cache_write(metadata.slot_mapping),
+                        metadata.block_tables[:n].to(torch.int32).contiguous(),
+                        metadata.seq_lens[:n].to(torch.int32).contiguous())
 
-    def decode(self, query, key_cache, value_cache, metadata, plan: _TorchPlan, scale: float) -> torch.Tensor:
-        return paged_decode(self.kernel, query, key_cache, value_cache, *plan.decode_groups[0], scale)
+    def decode(self, query, key_cache, value_cache, metadata, plan: _CpuPlan, scale: float) -> torch.Tensor:
+        return paged_decode(self.kernel, query, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale)
 
 
 def paged_decode(
