@@ -51,3 +51,15 @@ def emulation_built() -> None:
         pytest.skip("g++ not found: the CPU kernel emulation needs a C++17 compiler")
     if PLANTED_BUG is None:
         build_many((spec, cases.VARIANT) for spec in all_emulated_specs())
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """The CPU kernels (backend/attention/cpu_kernel), built or taken from their cache; a build
+    failure fails the test (g++ is part of this project's setup)."""
+    from backend.attention.cpu_kernel import build
+
+    try:
+        return build.load_kernel()
+    except build.KernelUnavailable as exc:  # pragma: no cover
+        pytest.fail(f"the CPU kernels do not build here: {exc}")

@@ -9,17 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.attention.cpu_kernel import build
 from backend.models import cpu_fused
 from backend.models.llama import LlamaMLP, RMSNorm
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    try:
-        return build.load_kernel()
-    except build.KernelUnavailable as exc:  # pragma: no cover - g++ is part of this project's setup
-        pytest.fail(f"the CPU kernels do not build here: {exc}")
+@pytest.fixture()
+def kernels(cpu_kernels):
+    return cpu_kernels
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
