@@ -153,14 +153,15 @@ class ModelRunner:
             raise ConfigError(str(exc)) from None
         model, _ = load_model(model_config.model_dir, dtype, device, attention_backend, model_config.max_model_len)
         kernels = getattr(attention_backend, "kernel", None)  # the CPU kernels, when attention uses them
-        if kernels is not None and cpu_fused_ops_enabled():
+        fused = kernels is not None and cpu_fused_ops_enabled()
+        if fused:
             model.use_cpu_kernels(kernels)
         bytes_per_block = model.shape.kv_cache_bytes_per_block(cache_config.block_size, dtype)
         num_blocks = size_kv_cache(cache_config, bytes_per_block, device, max_num_seqs, model_config.max_model_len)
         runner = cls(model, num_blocks, cache_config.block_size)
         logger.info("model runner ready: device=%s dtype=%s attention=%s fused CPU ops=%s kv_blocks=%d x %d tokens",
                     device, dtype, getattr(attention_backend, "name", "?"),
-                    "on" if kernels is not None and cpu_fused_ops_enabled() else "off", num_blocks,
+                    "on" if fused else "off", num_blocks,
                     cache_config.block_size)
         return runner
 

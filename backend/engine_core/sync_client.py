@@ -55,7 +55,7 @@ class SyncEngineCoreClient:
         self.restarts = 0
         self._process = CoreProcess(config, autostep=False, stub_watch=stub_watch)
         self._lost = False
-        self._drain_grace: float | None = None  # sent with every call once set (a new core gets it too)
+        self._drain_deadline: float | None = None  # monotonic; its remainder goes with every call once set
 
     def start(self, timeout: float = START_TIMEOUT_SECONDS) -> CoreReady:
         return self._process.start(timeout)
@@ -67,8 +67,7 @@ class SyncEngineCoreClient:
     def begin_drain(self, grace_seconds: float) -> None:
         """Requests still running ``grace_seconds`` from now end with an error naming the shutdown
         (the core's deadline, EngineCore.begin_drain); it goes with the next call."""
-        if self._drain_grace is None:
-            self._drain_grace = grace_seconds
+        if self._drain_deadline is None:
             self._drain_deadline = time.monotonic() + grace_seconds
 
     def iterate(self, adds: list[AddRequest], aborts: list[str], step: bool) -> tuple[list[RequestOutput], EngineStats]:
@@ -78,7 +77,7 @@ class SyncEngineCoreClient:
             ready = self._process.start(START_TIMEOUT_SECONDS)  # a CoreStartError goes to the caller
             logger.warning("engine core restarted (pid %d)", ready.pid)
             self._lost = False
-        drain = None if self._drain_grace is None else max(0.0, self._drain_deadline - time.monotonic())
+        drain = None if self._drain_deadline is None else max(0.0, self._drain_deadline - time.monotonic())
         if not self._process.send(CoreInput(adds=adds, aborts=aborts, step=step or not (adds or aborts),
                                             drain_grace=drain)):
             self._lose("the engine core could not be reached")
