@@ -162,6 +162,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.model.seed)
+        self.structured_output = self._structured_output_manager()
         self.requests: dict[str, Request] = {}
         self._step_requests: list[Request] | None = None  # scheduled in the running step
 
@@ -173,6 +174,17 @@ class LLMEngine:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         return eos
+
+    def _structured_output_manager(self):
+        """Grammar compiler and matchers (backend/structured_output); None without xgrammar."""
+        try:
+            from backend.structured_output.manager import StructuredOutputManager  # noqa: PLC0415
+
+            return StructuredOutputManager.for_tokenizer(
+                self.tokenizer, self.vocab_size, self.eos_token_id, self.config.scheduler.max_num_seqs)
+        except ImportError as exc:
+            logger.warning("structured output is off: %s", exc)
+            return None
 
     # ----------------------------------------------------------------------------- requests
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -223,6 +235,10 @@ class LLMEngine:
             self.tokenizer, request.prompt_token_ids, stop=list(params.stop),
             skip_special_tokens=params.skip_special_tokens,
         )
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise EngineInputError(f"{params.structured_outputs.key}: structured output needs the xgrammar package")
+            self.structured_output.add(request)  # compiles off the step; the request waits for it
         self.requests[request_id] = request
         self.scheduler.add_request(request)
         return request
@@ -303,13 +319,15 @@ class LLMEngine:
         (schedule, prepare, forward, logits, sample, detokenize).
         """
         clock = _PhaseClock() if timings else None
+        outputs: list[RequestOutput] = self._take_grammar_failures()
         scheduler_output = self.scheduler.schedule()
         scheduled = scheduler_output.scheduled
         stats = step_stats(scheduler_output)
         if clock is not None:
             stats.timings = clock.lap({}, "schedule")
-        outputs: list[RequestOutput] = []
         if not scheduled:
+            if self.structured_output is not None and self.structured_output.has_pending:
+                self.structured_output.wait()  # only grammars left to wait for: do not spin
             return StepOutput(outputs, stats)
         self._step_requests = [item.request for item in scheduled]
         logits, rows = self.model_runner.execute(scheduled, stats.timings)
@@ -318,6 +336,9 @@ class LLMEngine:
         if not rows:
             return StepOutput(outputs, stats)
         sampling_requests = [scheduled[i].request for i in rows]
+        if self.structured_output is not None and self.structured_output.apply_masks(logits, sampling_requests):
+            if clock is not None:
+                clock.lap(stats.timings, "grammar")  # only in steps with constrained requests
         sampled, errors = self._sample(logits, sampling_requests)
         if clock is not None:
             clock.lap(stats.timings, "sample")
@@ -336,6 +357,15 @@ class LLMEngine:
         if clock is not None:
             clock.lap(stats.timings, "detokenize")
         return StepOutput(outputs, stats)
+
+    def _take_grammar_failures(self) -> list[RequestOutput]:
+        """Requests whose constraint failed to compile end with its error; the others become schedulable."""
+        if self.structured_output is None or not self.structured_output.has_pending:
+            return []
+        outputs = []
+        for request, message in self.structured_output.poll():
+            outputs.extend(self.fail_requests([request.request_id], message, kv_suspect=False))
+        return outputs
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[SamplerOutput, dict[int, str]]:
         """The sampler over all rows; if that fails, row by row, so a bad row fails its request alone.
@@ -369,6 +399,8 @@ class LLMEngine:
     def _advance(self, request: Request, sampled: SamplerOutput, index: int, now: float) -> RequestOutput:
         """Appends one sampled token to a request, detokenizes it and applies the stop checks."""
         token_id = sampled.token_ids[index]
+        if request.grammar is not None:
+            self.structured_output.accept(request, token_id)  # raises (failing it alone) if refused
         request.append_output_token(token_id)
         if sampled.logprobs is not None and request.sampling_params.logprobs:
             request.output_logprobs.append(sampled.logprobs[index])
@@ -389,6 +421,8 @@ class LLMEngine:
         params = request.sampling_params
         if detokenizer.stop_matched is not None:
             return FinishReason.STOP
+        if request.grammar is not None and request.grammar.terminated:
+            return FinishReason.STOP  # the grammar accepted the EOS: the constrained output is complete
         if request.num_output_tokens >= params.min_tokens:
             if token_id == request.eos_token_id and not params.ignore_eos:
                 return FinishReason.EOS
@@ -426,6 +460,8 @@ class LLMEngine:
         if request.detokenizer is not None and request.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
             text += request.detokenizer.finish()
         self.requests.pop(request.request_id, None)  # and with it its detokenizer and generator
+        if request.grammar is not None:
+            self.structured_output.release(request)
         output = self._output(request, new_token_ids, text)
         output.finished = True
         output.finish_reason = request.finish_reason

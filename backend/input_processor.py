@@ -7,7 +7,12 @@ needs the tokenizer and two numbers of the model (vocabulary size and max_model_
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from backend.request import SamplingParams, SamplingParamsError
+from backend.structured_output.spec import StructuredOutputError, check_spec
+
+CHECKED_CONSTRAINTS = 256  # constraints remembered as valid, so a repeated schema is checked once
 
 
 class EngineInputError(ValueError):
@@ -19,6 +24,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self._valid_constraints: OrderedDict[str, None] = OrderedDict()  # cache keys, LRU
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
@@ -49,8 +55,25 @@ class InputProcessor:
             raise EngineInputError(str(exc)) from None
         if params.max_tokens >= self.max_model_len:
             raise EngineInputError(f"max_tokens: {params.max_tokens} is above the limit {self.max_model_len - 1}")
+        if params.structured_outputs is not None:
+            self._check_constraint(params)
         bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop_ids:
             raise EngineInputError(
                 f"stop_token_ids: {bad_stop_ids[0]} is not a token id of this model (ids are in [0, {self.vocab_size}))"
             )
+
+    def _check_constraint(self, params: SamplingParams) -> None:
+        """The constraint compiles (tokenizer-free, about a millisecond); refused here, not in the step."""
+        spec = params.structured_outputs
+        key = spec.cache_key
+        if key in self._valid_constraints:
+            self._valid_constraints.move_to_end(key)
+            return
+        try:
+            check_spec(spec)
+        except StructuredOutputError as exc:
+            raise EngineInputError(str(exc)) from None
+        self._valid_constraints[key] = None
+        if len(self._valid_constraints) > CHECKED_CONSTRAINTS:
+            self._valid_constraints.popitem(last=False)

@@ -12,6 +12,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from backend.structured_output.spec import StructuredOutputSpec
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -68,6 +70,7 @@ class SamplingParams:
     logprobs: bool = False  # return the log-probability (and rank) of each chosen token
     top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each step (vLLM's logprobs=k)
     skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's default)
+    structured_outputs: StructuredOutputSpec | None = None  # constrain the output (backend/structured_output)
 
     def validate(self) -> None:
         """Raises SamplingParamsError naming the first bad field.
@@ -150,6 +153,7 @@ class Request:
     generator: object | None = None  # torch.Generator of a seeded request, made by the sampler on first use
     block_hashes: list = field(default_factory=list)  # chained hashes of full blocks (tokens never change)
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache (0 again after a free)
+    grammar: object | None = None  # backend.structured_output.manager.RequestGrammar of a constrained request
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -6,6 +6,7 @@ Processing order for each row (the same as vLLM v1):
    ``stop_token_ids`` and its ``eos_token_id`` get ``-inf`` -- the EOS only when ``ignore_eos``
    is off (with ``ignore_eos`` EOS does not end the request, so masking it would only distort
    the distribution; this matches vLLM, whose stop-id set omits EOS under ``ignore_eos``).
+   A row this would leave without any token (structured output allowing only the EOS) is not masked.
 2. Penalties on the raw logits: repetition penalty (HF semantics, over prompt + output tokens:
    a positive logit is divided by the penalty, a non-positive one multiplied), then frequency
    and presence penalties (OpenAI semantics, over output tokens only:
@@ -230,7 +231,16 @@ class Sampler:
             cols.extend(ids)
         if rows:
             device = logits.device
-            logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = -math.inf
+            row_index, col_index = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+            saved = logits[row_index, col_index]  # [num_masked]
+            logits[row_index, col_index] = -math.inf
+            # A row left with no token (a grammar that allows only the EOS now) keeps its EOS: the
+            # constraint wins over min_tokens, since any other token would break it.
+            masked_rows = torch.unique(row_index)
+            empty = masked_rows[torch.isneginf(logits[masked_rows]).all(dim=-1)]
+            if empty.numel():
+                restore = torch.isin(row_index, empty)
+                logits[row_index[restore], col_index[restore]] = saved[restore]
 
     @staticmethod
     def _apply_penalties(

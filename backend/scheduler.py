@@ -9,7 +9,8 @@ A long prompt is therefore chunked over several steps (chunked prefill) and a de
 Order: running requests first, in admission order; when the pool runs out of blocks the newest
 running request is preempted (recompute: its blocks are freed and it goes to the front of the
 waiting queue). Then waiting requests are admitted in arrival order (preempted ones first) while
-budget, sequence slots and blocks last; admission never skips ahead of a request that does not fit.
+budget, sequence slots and blocks last; admission never skips ahead of a request that does not fit
+(only ahead of one whose structured-output grammar is still compiling).
 
 No deadlock: requests that could never fit (longer than ``max_model_len``, needing more blocks
 than the pool has, or, without chunked prefill, a prompt over the budget) never get here: the
@@ -202,7 +203,9 @@ class Scheduler:
             req_index += 1
 
         # 2. Waiting requests in arrival order (preempted ones sit at the front). Like vLLM, admit
-        # none in a step that had to preempt: the pool is short of blocks.
+        # none in a step that had to preempt: the pool is short of blocks. A request whose grammar
+        # is still compiling is stepped over (it keeps its place for the next step).
+        compiling: list[Request] = []
         while (
             self.waiting
             and not output.preempted
@@ -210,6 +213,9 @@ class Scheduler:
             and len(self.running) < config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
             assert request.num_computed_tokens == 0, "waiting requests have no KV"
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
@@ -235,6 +241,7 @@ class Scheduler:
                 )
             )
             token_budget -= num_new_tokens
+        self.waiting.extendleft(reversed(compiling))
 
         # 3. The KV of the scheduled tokens counts as computed once this step runs.
         for item in scheduled:

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend.request import SamplingParams
+from backend.structured_output.spec import (
+    LEGACY_KEYS,
+    StructuredOutputError,
+    parse_legacy_key,
+    parse_structured_outputs,
+)
 
 
 class InputError(ValueError):
@@ -322,8 +328,11 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
         elif key == "lora_name":
             if value not in (None, ""):
                 raise InputError(f"{where}: LoRA adapters are not supported by this model")
+        elif key == "structured_outputs" or key in LEGACY_KEYS:
+            _set_constraint(values, key, value, where)
         elif key not in SAMPLING_PARAMETER_KEYS:
-            known = ", ".join(sorted([*SAMPLING_PARAMETER_KEYS, *REQUEST_OPTION_KEYS, *FIXED_KEYS, "lora_name"]))
+            known = ", ".join(sorted([*SAMPLING_PARAMETER_KEYS, *REQUEST_OPTION_KEYS, *FIXED_KEYS, "lora_name",
+                                      "structured_outputs", *LEGACY_KEYS]))
             raise InputError(f"sampling_parameters: unknown key '{key}' (known: {known})")
         elif key == "stop":
             if value is None:
@@ -359,6 +368,19 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
         else:
             values[key] = _as_float(where, value, text_ok=True)
     return values
+
+
+def _set_constraint(values: dict[str, object], key: str, value, where: str) -> None:
+    """``structured_outputs`` or a ``guided_*`` key: at most one constraint per request."""
+    try:
+        spec = parse_structured_outputs(value, where) if key == "structured_outputs" else parse_legacy_key(key, value, where)
+    except StructuredOutputError as exc:
+        raise InputError(str(exc)) from None
+    if spec is None:
+        return
+    if "structured_outputs" in values:
+        raise InputError(f"{where}: send one constraint; {values['structured_outputs'].key} is already one")
+    values["structured_outputs"] = spec
 
 
 def _check_fixed(where: str, key: str, value) -> None:

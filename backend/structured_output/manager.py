@@ -1,0 +1,132 @@
+"""The engine's side of structured output: per request a grammar matcher, per step the token masks.
+
+A constrained request gets a ``RequestGrammar`` when it is added: the future of its compiled
+grammar (``compiler.py``). Until the future resolves the scheduler leaves the request in the
+waiting queue and admits the ones behind it (``RequestGrammar.ready``); ``poll()`` at the start of
+each step gives ready requests their ``xgrammar.GrammarMatcher`` and returns the ones whose grammar
+failed, which the engine ends with the error. In the step, ``apply_masks`` fills one bitmask row per
+constrained request (the tokens its grammar allows next; the EOS only where the grammar may end)
+and sets every other logit of that row to -inf before sampling; the free rows are left untouched,
+so a mixed batch gives free requests exactly their tokens alone. ``accept`` advances a matcher on
+the sampled token; once it accepted a stop token the grammar is terminated and the request
+finishes with ``stop``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.structured_output.compiler import GrammarCompiler
+from backend.structured_output.spec import StructuredOutputError, StructuredOutputSpec
+
+POLL_WAIT_SECONDS = 0.005  # an idle engine waiting only for grammars sleeps this long per step
+
+
+@dataclass(slots=True, eq=False)
+class RequestGrammar:
+    spec: StructuredOutputSpec
+    future: concurrent.futures.Future
+    matcher: object | None = None  # xgrammar.GrammarMatcher once the grammar compiled
+    num_accepted: int = field(default=0)
+
+    @property
+    def ready(self) -> bool:
+        """The scheduler may run the request (its grammar compiled)."""
+        return self.matcher is not None
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar accepted a stop token: the constrained output is complete."""
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int, max_rows: int):
+        import xgrammar  # noqa: PLC0415
+
+        self._xgrammar = xgrammar
+        self.compiler = compiler
+        self.vocab_size = vocab_size
+        self._bitmask = xgrammar.allocate_token_bitmask(max_rows, vocab_size)  # [max_rows, ceil(vocab/32)] int32
+        self._pending: dict[str, object] = {}  # request id -> Request whose grammar is compiling
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int | None, max_rows: int):
+        eos = [] if eos_token_id is None else [eos_token_id]
+        return cls(GrammarCompiler(tokenizer, vocab_size, eos), vocab_size, max_rows)
+
+    # ----------------------------------------------------------------------------- requests
+    def add(self, request) -> None:
+        """Starts compiling the request's constraint (a cache hit resolves at once)."""
+        spec = request.sampling_params.structured_outputs
+        request.grammar = RequestGrammar(spec, self.compiler.compile(spec))
+        self._pending[request.request_id] = request
+
+    def release(self, request) -> None:
+        """The request ended (finished, aborted or failed)."""
+        self._pending.pop(request.request_id, None)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def poll(self) -> list[tuple[object, str]]:
+        """Gives requests whose grammar compiled their matcher; returns (request, error) of the failed."""
+        failed = []
+        for request_id, request in list(self._pending.items()):
+            grammar = request.grammar
+            if not grammar.future.done():
+                continue
+            del self._pending[request_id]
+            try:
+                compiled = grammar.future.result()
+            except StructuredOutputError as exc:
+                failed.append((request, str(exc)))
+                continue
+            except Exception as exc:  # cancelled at shutdown, or a compiler bug
+                failed.append((request, f"{grammar.spec.key}: compiling failed ({type(exc).__name__}: {exc})"))
+                continue
+            grammar.matcher = self._xgrammar.GrammarMatcher(compiled)
+        return failed
+
+    def wait(self, timeout: float = POLL_WAIT_SECONDS) -> None:
+        """Blocks until a pending grammar resolves or ``timeout`` passes (an engine with nothing else to do)."""
+        futures = [request.grammar.future for request in self._pending.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    # ----------------------------------------------------------------------------- the step
+    def apply_masks(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab_size] float32, modified in place
+        requests: list,  # row i belongs to requests[i]
+    ) -> int:
+        """Sets the logits each constrained row's grammar forbids to -inf; returns how many rows."""
+        rows = [i for i, request in enumerate(requests) if request.grammar is not None]
+        if not rows:
+            return 0
+        bitmask = self._bitmask
+        if bitmask.shape[0] < len(requests):
+            bitmask = self._bitmask = self._xgrammar.allocate_token_bitmask(len(requests), self.vocab_size)
+        for row in rows:
+            requests[row].grammar.matcher.fill_next_token_bitmask(bitmask, row)
+        if logits.device.type == "cpu":
+            self._xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+        else:
+            device_mask = bitmask[: len(requests)].to(logits.device, non_blocking=True)
+            self._xgrammar.apply_token_bitmask_inplace(logits, device_mask, vocab_size=self.vocab_size,
+                                                       indices=rows, backend="torch_native")
+        return len(rows)
+
+    @staticmethod
+    def accept(request, token_id: int) -> None:
+        """Advances the request's matcher; raises StructuredOutputError if its grammar refuses the token
+        (it cannot, since the token was sampled under the mask; a refusal is a bug, and fails only it)."""
+        grammar = request.grammar
+        if not grammar.matcher.accept_token(token_id):
+            raise StructuredOutputError(
+                f"{grammar.spec.key}: the grammar refused token {token_id} after {grammar.num_accepted} tokens")
+        grammar.num_accepted += 1
