@@ -91,6 +91,9 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
+    grammar_compiles: int = 0  # structured-output constraints compiled (cache misses)
+    grammar_cache_hits: int = 0  # constrained requests whose grammar was compiled (or compiling) already
+    grammar_compile_seconds: list[float] = field(default_factory=list)  # compiles finished since the last stats()
 
 
 @dataclass(slots=True)
@@ -308,7 +311,15 @@ class LLMEngine:
             prefix_cache_queries=manager.prefix_queries,
             prefix_cache_hits=manager.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            **self._grammar_stats(),
         )
+
+    def _grammar_stats(self) -> dict:
+        compiler = self.structured_output.compiler if self.structured_output is not None else None
+        if compiler is None:
+            return {}
+        return {"grammar_compiles": compiler.num_compiles, "grammar_cache_hits": compiler.num_cache_hits,
+                "grammar_compile_seconds": compiler.take_compile_seconds()}
 
     # ----------------------------------------------------------------------------- the step
     @torch.inference_mode()

@@ -15,6 +15,7 @@ from backend.request import FinishReason
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 IPC_BUCKETS = [0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1]
+COMPILE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISH_REASONS = ("length", "stop", "eos", "abort", "error")
 
@@ -99,6 +100,12 @@ class TritonMetrics:
                                       "Engine-core processes that died or hung and were restarted", C)
         _, self.core_ipc = make("llm_engine_core_ipc_seconds",
                                 "A step's outputs from the engine-core process to the front end", H, IPC_BUCKETS)
+        _, self.grammar_compile = make("llm_structured_output_compile_seconds",
+                                       "Compiling one structured-output constraint into token masks", H, COMPILE_BUCKETS)
+        _, self.grammar_compiles = make("llm_structured_output_compiles_total",
+                                        "Structured-output constraints compiled (cache misses)", C)
+        _, self.grammar_cache_hits = make("llm_structured_output_cache_hits_total",
+                                          "Constrained requests whose grammar was already compiled or compiling", C)
         self._last_stats: EngineStats | None = None
 
     def update_engine_stats(self, stats: EngineStats) -> None:
@@ -115,6 +122,8 @@ class TritonMetrics:
                 (self.preemptions, stats.num_preemptions, last.num_preemptions),
                 (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
                 (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+                (self.grammar_compiles, stats.grammar_compiles, last.grammar_compiles),
+                (self.grammar_cache_hits, stats.grammar_cache_hits, last.grammar_cache_hits),
             ):
                 if now > before:
                     metric.increment(now - before)
@@ -123,9 +132,13 @@ class TritonMetrics:
                 (self.preemptions, stats.num_preemptions),
                 (self.prefix_queries, stats.prefix_cache_queries),
                 (self.prefix_hits, stats.prefix_cache_hits),
+                (self.grammar_compiles, stats.grammar_compiles),
+                (self.grammar_cache_hits, stats.grammar_cache_hits),
             ):
                 if now:
                     metric.increment(now)
+        for seconds in stats.grammar_compile_seconds:
+            self.grammar_compile.observe(seconds)
         self._last_stats = stats
 
     def close(self) -> None:

@@ -154,3 +154,18 @@ def test_the_served_config_declares_both_tensor_sets(real_server):
     assert inputs["seed"] == "TYPE_UINT64" and inputs["frequency_penalty"] == "TYPE_FP32"
     assert outputs["cumulative_logprob"] == "TYPE_FP32" and outputs["logprobs"] == "TYPE_STRING"
     assert outputs["num_output_tokens"] == "TYPE_INT32"  # the OpenAI frontend reads INT32 or UINT32
+
+
+def test_a_chat_constrained_to_a_json_schema_streams_json_that_validates(real_server):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                                               "population_millions": {"type": "number", "minimum": 0}},
+              "required": ["city", "country", "population_millions"]}
+    question = [{"role": "user", "content": "Describe Paris as JSON with city, country and population_millions."}]
+    result = generate(real_server, None, messages=question, max_tokens=96, stream=True,
+                      sampling_parameters={"structured_outputs": {"json": schema}})
+    assert result.error is None and result.finish_reason == "stop", result
+    value = json.loads(result.text)
+    jsonschema.validate(value, schema)
+    assert value["city"] == "Paris" and len(result.deltas) > 5
