@@ -15,12 +15,15 @@ finishes with ``stop``.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from backend.structured_output.compiler import GrammarCompiler
 from backend.structured_output.spec import StructuredOutputError, StructuredOutputSpec
+
+logger = logging.getLogger(__name__)
 
 POLL_WAIT_SECONDS = 0.005  # an idle engine waiting only for grammars sleeps this long per step
 
@@ -52,6 +55,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._bitmask = xgrammar.allocate_token_bitmask(max_rows, vocab_size)  # [max_rows, ceil(vocab/32)] int32
         self._pending: dict[str, object] = {}  # request id -> Request whose grammar is compiling
+        self._cpu_kernel = _bitmask_kernel()
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int | None, max_rows: int):
@@ -113,7 +117,9 @@ class StructuredOutputManager:
             bitmask = self._bitmask = self._xgrammar.allocate_token_bitmask(len(requests), self.vocab_size)
         for row in rows:
             requests[row].grammar.matcher.fill_next_token_bitmask(bitmask, row)
-        if logits.device.type == "cpu":
+        if logits.device.type == "cpu" and self._cpu_kernel is not None and logits.dtype == torch.float32:
+            apply_bitmask_cpu(self._cpu_kernel, logits, bitmask, rows, self.vocab_size)
+        elif logits.device.type == "cpu":
             self._xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
         else:
             device_mask = bitmask[: len(requests)].to(logits.device, non_blocking=True)
@@ -130,3 +136,30 @@ class StructuredOutputManager:
             raise StructuredOutputError(
                 f"{grammar.spec.key}: the grammar refused token {token_id} after {grammar.num_accepted} tokens")
         grammar.num_accepted += 1
+
+
+def _bitmask_kernel():
+    """Our CPU mask kernel (backend/attention/cpu_kernel/token_bitmask.cpp), 6x xgrammar's here; None:
+    xgrammar's serves (the reason is logged)."""
+    try:
+        from backend.attention.cpu_kernel.build import KernelUnavailable, load_kernel  # noqa: PLC0415
+
+        return load_kernel()
+    except KernelUnavailable as exc:
+        logger.warning("structured output masks use xgrammar's CPU kernel: %s", exc)
+        return None
+
+
+def apply_bitmask_cpu(
+    kernels,
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, rows contiguous; modified in place
+    bitmask: torch.Tensor,  # [>= num_rows, ceil(vocab_size / 32)] int32, xgrammar's layout
+    rows: list[int],  # the rows to mask
+    vocab_size: int,
+) -> None:
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1 and bitmask.is_contiguous()
+    assert max(rows) < min(logits.shape[0], bitmask.shape[0]) and vocab_size <= min(logits.shape[1],
+                                                                                     bitmask.shape[1] * 32)
+    index = torch.tensor(rows, dtype=torch.int64)
+    kernels.apply_token_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.shape[1],
+                                index.data_ptr(), len(rows), vocab_size)

@@ -1,5 +1,6 @@
-"""Builds (once) and loads the CPU kernels: paged decode attention (``paged_decode.cpp``) and the
-fused RMSNorm and SiLU x up (``fused_ops.cpp``), one shared library.
+"""Builds (once) and loads the CPU kernels: paged decode attention (``paged_decode.cpp``), the
+fused RMSNorm and SiLU x up (``fused_ops.cpp``) and structured output's token mask
+(``token_bitmask.cpp``), one shared library.
 
 Why a plain shared library through ctypes rather than torch's cpp_extension: it compiles in about
 a second with g++ (cpp_extension's torch headers take most of a minute on 2 cores), and it needs
@@ -29,7 +30,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "paged_decode.cpp", HERE / "fused_ops.cpp"]
+SOURCES = [HERE / "paged_decode.cpp", HERE / "fused_ops.cpp", HERE / "token_bitmask.cpp"]
 HEADERS = [HERE / "simd.h"]
 REPO_ROOT = Path(__file__).resolve().parents[3]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
@@ -89,7 +90,7 @@ def build_library() -> Path:
 
 
 class CpuKernels:
-    """The loaded library: ``paged_decode``, ``fused_rms_norm``, ``fused_silu_mul`` (ctypes functions)
+    """The loaded library: ``paged_decode``, ``fused_rms_norm``, ``fused_silu_mul``, ``apply_token_bitmask`` (ctypes functions)
     and the shape limits paged_decode was compiled with."""
 
     def __init__(self, path: Path):
@@ -110,6 +111,8 @@ class CpuKernels:
         self.fused_rms_norm = self._function("fused_rms_norm", [integer, pointer, pointer, pointer, pointer, size,
                                                                 size, real])
         self.fused_silu_mul = self._function("fused_silu_mul", [integer, pointer, pointer, size, size])
+        self.apply_token_bitmask = self._function("apply_token_bitmask", [pointer, size, pointer, size, pointer,
+                                                                          size, size])
 
     def _function(self, name: str, argtypes: list):
         function = getattr(self.library, name)

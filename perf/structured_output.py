@@ -1,0 +1,205 @@
+"""What JSON-schema constraints cost a served model: the same workload with and without them, side by side.
+
+    python -m perf.structured_output [--url HOST:PORT | --model-repository DIR] [--concurrency 1,16]
+                                     [--num-requests 32] [--repeat 3]
+
+The workload: chat prompts asking for JSON of the 45 schemas in tests/unit/structured_output_schemas.py
+(the real default model). A calibration pass sends each prompt constrained to its schema and notes
+how many tokens it wrote; then, per concurrency and repeat, the two modes alternate over the same
+prompts: ``json`` (constrained, ending where the grammar ends) and ``free`` (unconstrained,
+``ignore_eos`` and ``max_tokens`` set to that very count), so both modes generate the same tokens
+per prompt and differ only in the masks. Closed loop: C clients, each on its own gRPC stream.
+
+Reported per concurrency: output tokens/s and inter-token latency p50/p99 of each mode (medians over
+the repeats), the throughput ratio json/free, and the server's compile times from /metrics; plus
+compile times in this process on the same tokenizer (first compile of each schema, and a cached one).
+Results: perf/results/structured_output/<UTC time>/{results.json,results.md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+from client.stream import StreamingClient
+from perf.served import add_server_arguments, report_dir, served
+from tests.unit.structured_output_schemas import SCHEMAS
+
+MAX_TOKENS = 192
+
+
+def prompts() -> list[tuple[list[dict], dict]]:
+    return [([{"role": "user", "content": f"Describe {what} as a JSON object following this JSON schema: "
+                                          f"{json.dumps(schema)}"}], schema) for what, schema in SCHEMAS]
+
+
+def run_load(url: str, jobs: list[dict], concurrency: int, timeout: float) -> dict:
+    """Sends ``jobs`` (generate() keyword arguments) from ``concurrency`` closed-loop clients."""
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    for job in jobs:
+        work.put(job)
+    results, errors, lock = [], [], threading.Lock()
+
+    def client_loop():
+        with StreamingClient(url) as client:
+            while True:
+                try:
+                    job = work.get_nowait()
+                except queue.Empty:
+                    return
+                result = client.generate(None, timeout=timeout, **job)
+                with lock:
+                    (errors if result.error else results).append(result)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.monotonic() - started
+    tokens = sum(len(r.token_ids) for r in results)
+    gaps = [b - a for r in results for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+    return {"requests": len(results), "errors": [e.error for e in errors][:3], "num_errors": len(errors),
+            "output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+            "itl_p50_ms": float(np.percentile(gaps, 50) * 1e3) if gaps else None,
+            "itl_p99_ms": float(np.percentile(gaps, 99) * 1e3) if gaps else None,
+            "finished_stop": sum(r.finish_reason == "stop" for r in results)}
+
+
+def server_compile_metrics(http_metrics_url: str) -> dict:
+    with urllib.request.urlopen(http_metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        for name in ("llm_structured_output_compile_seconds_sum", "llm_structured_output_compile_seconds_count",
+                     "llm_structured_output_cache_hits_total", "llm_structured_output_compiles_total"):
+            if line.startswith(name + "{") and 'model="llm"' in line:
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def local_compile_times(tokenizer_dir: str) -> dict:
+    """First and cached compile of every schema, in this process (the same GrammarCompiler the engine uses)."""
+    from transformers import AutoTokenizer
+
+    from backend.structured_output.compiler import GrammarCompiler
+    from backend.structured_output.spec import parse_structured_outputs
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id])
+    first, cached = [], []
+    for _, schema in SCHEMAS:
+        spec = parse_structured_outputs({"json": schema})
+        for times in (first, cached):
+            start = time.perf_counter()
+            compiler.compile(spec).result()
+            times.append(time.perf_counter() - start)
+    compiler.close()
+    ms = lambda values, q: float(np.percentile(values, q) * 1e3)  # noqa: E731
+    return {"first_p50_ms": ms(first, 50), "first_max_ms": ms(first, 100), "cached_p50_ms": ms(cached, 50),
+            "cached_max_ms": ms(cached, 100), "schemas": len(first)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.structured_output", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_arguments(parser)
+    parser.add_argument("--concurrency", default="1,16", help="closed-loop clients, a list (default: %(default)s)")
+    parser.add_argument("--num-requests", type=int, default=32, help="requests per mode and run (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=3, help="alternating runs per mode (default: %(default)s)")
+    parser.add_argument("--tokenizer", default="models/smollm2-135m-instruct")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    out = report_dir(args, "structured_output")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    chats = prompts()
+    print("compile times in this process ...", flush=True)
+    compile_local = local_compile_times(args.tokenizer)
+    print(json.dumps(compile_local), flush=True)
+    report: dict = {"local_compile": compile_local, "runs": []}
+    with served(args) as server:
+        metrics_url = (server.server.metrics_url if server.server is not None
+                       else f"http://{args.url.rsplit(':', 1)[0]}:8002/metrics")
+        # Calibration: each prompt constrained once, to learn its output length (and warm the caches).
+        print(f"calibrating {len(chats)} prompts ...", flush=True)
+        lengths = []
+        with StreamingClient(server.grpc_url) as client:
+            for messages, schema in chats:
+                result = client.generate(None, messages=messages, max_tokens=MAX_TOKENS, timeout=args.timeout,
+                                         sampling_parameters={"structured_outputs": {"json": schema}})
+                lengths.append(max(1, len(result.token_ids)))
+        report["server_compile_after_calibration"] = server_compile_metrics(metrics_url)
+        order = [i % len(chats) for i in range(args.num_requests)]
+        modes = {
+            "json": [dict(messages=chats[i][0], max_tokens=MAX_TOKENS, stream=True,
+                          sampling_parameters={"structured_outputs": {"json": chats[i][1]}}) for i in order],
+            "free": [dict(messages=chats[i][0], max_tokens=lengths[i], ignore_eos=True, stream=True) for i in order],
+        }
+        for concurrency in concurrencies:
+            for repeat in range(args.repeat):
+                for mode in (("json", "free") if repeat % 2 == 0 else ("free", "json")):
+                    row = run_load(server.grpc_url, modes[mode], concurrency, args.timeout)
+                    row.update(mode=mode, concurrency=concurrency, repeat=repeat)
+                    report["runs"].append(row)
+                    print(f"c={concurrency} repeat {repeat + 1}/{args.repeat} {mode:>4}: {row['tokens_per_s']:.1f} tok/s, "
+                          f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms, "
+                          f"{row['num_errors']} errors", flush=True)
+        report["server_compile_end"] = server_compile_metrics(metrics_url)
+    report["summary"] = summarize(report["runs"], concurrencies)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    markdown = to_markdown(report)
+    (out / "results.md").write_text(markdown)
+    print(markdown)
+    print(f"results: {out}")
+    return 0 if all(r["num_errors"] == 0 for r in report["runs"]) else 1
+
+
+def summarize(runs: list[dict], concurrencies: list[int]) -> list[dict]:
+    rows = []
+    for concurrency in concurrencies:
+        row = {"concurrency": concurrency}
+        for mode in ("free", "json"):
+            mine = [r for r in runs if r["concurrency"] == concurrency and r["mode"] == mode]
+            for key in ("tokens_per_s", "itl_p50_ms", "itl_p99_ms"):
+                row[f"{mode}_{key}"] = statistics.median(r[key] for r in mine)
+        ratios = [j["tokens_per_s"] / f["tokens_per_s"] for j in runs for f in runs
+                  if j["concurrency"] == f["concurrency"] == concurrency and j["repeat"] == f["repeat"]
+                  and j["mode"] == "json" and f["mode"] == "free"]
+        row["json_over_free"] = statistics.median(ratios)
+        rows.append(row)
+    return rows
+
+
+def to_markdown(report: dict) -> str:
+    lines = ["| concurrency | free tok/s | json tok/s | json/free | free ITL p50 / p99 (ms) | json ITL p50 / p99 (ms) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in report["summary"]:
+        lines.append(f"| {row['concurrency']} | {row['free_tokens_per_s']:.1f} | {row['json_tokens_per_s']:.1f} | "
+                     f"{row['json_over_free']:.3f} | {row['free_itl_p50_ms']:.1f} / {row['free_itl_p99_ms']:.1f} | "
+                     f"{row['json_itl_p50_ms']:.1f} / {row['json_itl_p99_ms']:.1f} |")
+    local = report["local_compile"]
+    lines.append("")
+    lines.append(f"Compile ({local['schemas']} schemas, this process): first p50 {local['first_p50_ms']:.1f} ms, "
+                 f"max {local['first_max_ms']:.1f} ms; cached p50 {local['cached_p50_ms']:.3f} ms, "
+                 f"max {local['cached_max_ms']:.3f} ms.")
+    server = report.get("server_compile_end", {})
+    count = server.get("llm_structured_output_compile_seconds_count")
+    if count:
+        lines.append(f"Server: {count:.0f} compiles, mean {server['llm_structured_output_compile_seconds_sum'] / count * 1e3:.1f} ms, "
+                     f"{server.get('llm_structured_output_cache_hits_total', 0):.0f} cache hits.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
