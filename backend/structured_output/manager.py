@@ -26,6 +26,7 @@ from backend.structured_output.spec import StructuredOutputError, StructuredOutp
 logger = logging.getLogger(__name__)
 
 POLL_WAIT_SECONDS = 0.005  # an idle engine waiting only for grammars sleeps this long per step
+_NOT_LOADED = object()
 
 
 @dataclass(slots=True, eq=False)
@@ -55,7 +56,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._bitmask = xgrammar.allocate_token_bitmask(max_rows, vocab_size)  # [max_rows, ceil(vocab/32)] int32
         self._pending: dict[str, object] = {}  # request id -> Request whose grammar is compiling
-        self._cpu_kernel = _bitmask_kernel()
+        self._cpu_kernel: object | None = _NOT_LOADED  # loaded on the first CPU step (a GPU never needs it)
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int | None, max_rows: int):
@@ -117,6 +118,8 @@ class StructuredOutputManager:
             bitmask = self._bitmask = self._xgrammar.allocate_token_bitmask(len(requests), self.vocab_size)
         for row in rows:
             requests[row].grammar.matcher.fill_next_token_bitmask(bitmask, row)
+        if logits.device.type == "cpu" and self._cpu_kernel is _NOT_LOADED:
+            self._cpu_kernel = _bitmask_kernel()
         if logits.device.type == "cpu" and self._cpu_kernel is not None and logits.dtype == torch.float32:
             apply_bitmask_cpu(self._cpu_kernel, logits, bitmask, rows, self.vocab_size)
         elif logits.device.type == "cpu":
