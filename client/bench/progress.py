@@ -13,8 +13,11 @@ from typing import TextIO
 
 
 class Progress:
-    def __init__(self, label: str, total: int, interval_s: float = 5.0, stream: TextIO | None = None):
+    def __init__(self, label: str, total: int, interval_s: float = 5.0, stream: TextIO | None = None,
+                 eta: bool = False):
+        """``eta``: each line also says when the run should end, at the average pace so far."""
         self.label = label
+        self.eta = eta
         self.total = total
         self.interval_s = interval_s
         self.stream = stream if stream is not None else sys.stdout
@@ -65,8 +68,11 @@ class Progress:
         done, errors, tokens = self.snapshot()
         elapsed = now - self._start
         rate = f"{current_rate:.1f} tok/s now, " if current_rate is not None else ""
+        eta = ""
+        if self.eta and current_rate is not None:
+            eta = f", ETA {elapsed / done * (self.total - done):.0f} s" if done else ", ETA unknown"
         print(
             f"[{self.label}] {done}/{self.total} done, {errors} errors, {rate}"
-            f"{tokens / max(elapsed, 1e-9):.1f} tok/s avg, {elapsed:.1f} s",
+            f"{tokens / max(elapsed, 1e-9):.1f} tok/s avg, {elapsed:.1f} s{eta}",
             file=self.stream, flush=True,
         )
