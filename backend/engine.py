@@ -59,6 +59,7 @@ class RequestOutput:
     logprobs: list[float] | None = None  # of new_token_ids, when the request asked for logprobs
     logprob_ranks: list[int] | None = None  # of new_token_ids (1 = the most likely token)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (token id, logprob) x top_logprobs
+    prompt_logprobs: list[float] | None = None  # with prompt_logprobs, on the first output: of prompt tokens 1..n-1
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -107,6 +108,7 @@ class GenerationResult:
     finish_reason: FinishReason | None
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None  # with prompt_logprobs: of prompt tokens 1..n-1
 
 
 def step_stats(scheduler_output) -> StepStats:
@@ -140,6 +142,13 @@ class _PhaseClock:
 def internal_error_message(exc: BaseException) -> str:
     """What a client is told when generation failed on the server's side (the log has the traceback)."""
     return f"internal error during generation: {type(exc).__name__}: {exc}"
+
+
+def _collect_prompt_logprobs(request: Request, first: int, values: list[float]) -> None:
+    """Appends a chunk's prompt logprobs; positions already held (a preempted request recomputing) are skipped."""
+    have = len(request.prompt_logprobs)
+    if first <= have < first + len(values):
+        request.prompt_logprobs.extend(values[have - first :])
 
 
 class LLMEngine:
@@ -342,6 +351,8 @@ class LLMEngine:
             return StepOutput(outputs, stats)
         self._step_requests = [item.request for item in scheduled]
         logits, rows = self.model_runner.execute(scheduled, stats.timings)
+        for index, (first, values) in self.model_runner.prompt_logprobs.items():
+            _collect_prompt_logprobs(scheduled[index].request, first, values)
         if clock is not None:
             clock.restart()
         if not rows:
@@ -449,6 +460,9 @@ class LLMEngine:
             logprobs = request.output_logprobs[-len(new_token_ids):]
             ranks = request.output_logprob_ranks[-len(new_token_ids):]
             top = request.output_top_logprobs[-len(new_token_ids):]
+        prompt_logprobs = None
+        if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent and new_token_ids:
+            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -461,6 +475,7 @@ class LLMEngine:
             logprobs=logprobs,
             logprob_ranks=ranks,
             top_logprobs=top,
+            prompt_logprobs=prompt_logprobs,
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
@@ -507,6 +522,8 @@ class LLMEngine:
                 result.text += output.text
                 if output.logprobs:
                     result.logprobs.extend(output.logprobs)
+                if output.prompt_logprobs is not None:
+                    result.prompt_logprobs = output.prompt_logprobs
                 if output.finished:
                     result.finish_reason = output.finish_reason
                     result.error = output.error

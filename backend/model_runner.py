@@ -30,6 +30,8 @@ from backend.models.shape import ModelShape, ceil_div
 
 logger = logging.getLogger(__name__)
 
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits exist at once (256 x 49k float32 = 50 MB)
+
 
 class ScheduledLike(Protocol):
     """What the runner reads of a scheduled request (backend.scheduler.ScheduledRequest)."""
@@ -123,6 +125,7 @@ class ModelRunner:
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         self.kv_caches = allocate_kv_caches(self.shape, num_kv_blocks, block_size, self.dtype, self.device)
         self.vocab_size = self.shape.vocab_size
+        self.prompt_logprobs: dict[int, tuple[int, list[float]]] = {}  # of the last execute(): see _prompt_logprobs
         if self.device.type == "cpu":
             tune_cpu_allocator()
 
@@ -214,6 +217,7 @@ class ModelRunner:
                 sample_rows.append(int(query_start_loc[i + 1]) - 1)
                 sample_indices.append(order[i])
 
+        self._row_starts = {order[i]: int(query_start_loc[i]) for i in range(num_seqs)}  # for prompt logprobs
         seq_of_token = np.repeat(np.arange(num_seqs), num_new)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - num_computed, num_new)
         slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
@@ -239,6 +243,7 @@ class ModelRunner:
         input_ids, positions, metadata, sample_rows, sample_indices = self.prepare(scheduled)
         prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden_size]
+        full_hidden = hidden
         if self.device.type == "cuda" and timings is not None:
             torch.cuda.synchronize(self.device)
         forwarded = time.perf_counter()
@@ -248,8 +253,46 @@ class ModelRunner:
             if len(sample_rows) < hidden.shape[0]:
                 hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device))
             logits = self.model.compute_logits(hidden)
+        self.prompt_logprobs = self._prompt_logprobs(scheduled, full_hidden) if self._wants_prompt_logprobs(
+            scheduled) else {}
         if timings is not None:
             timings["prepare"] = timings.get("prepare", 0.0) + prepared - start
             timings["forward"] = timings.get("forward", 0.0) + forwarded - prepared
             timings["logits"] = timings.get("logits", 0.0) + time.perf_counter() - forwarded
         return logits, sample_indices
+
+    @staticmethod
+    def _wants_prompt_logprobs(scheduled: Sequence[ScheduledLike]) -> bool:
+        return any(getattr(getattr(item.request, "sampling_params", None), "prompt_logprobs", None) is not None
+                   and item.num_computed_tokens < item.request.num_prompt_tokens - 1 for item in scheduled)
+
+    def _prompt_logprobs(
+        self,
+        scheduled: Sequence[ScheduledLike],
+        hidden: torch.Tensor,  # [num_tokens, hidden_size] the step's last hidden states, prepare()'s row order
+    ) -> dict[int, tuple[int, list[float]]]:
+        """{scheduled index: (first prompt position, logprobs)} for requests with prompt_logprobs.
+
+        Row p of a chunk predicts token p + 1: its logprob is log_softmax(logits[p])[token p + 1],
+        for every p of the chunk below the prompt's last token (which predicts the first output).
+        Logits in slices of PROMPT_LOGPROBS_ROWS rows: a long prompt's [tokens, vocab] never exists at once.
+        """
+        found = {}
+        for index, item in enumerate(scheduled):
+            request = item.request
+            if request.sampling_params.prompt_logprobs is None:
+                continue
+            first = item.num_computed_tokens
+            last = min(first + item.num_new_tokens, request.num_prompt_tokens - 1)  # positions first..last-1
+            if last <= first:
+                continue
+            row = self._row_starts[index]
+            targets = torch.tensor(request.all_token_ids[first + 1 : last + 1], dtype=torch.int64, device=hidden.device)
+            values = []
+            for offset in range(0, last - first, PROMPT_LOGPROBS_ROWS):
+                count = min(PROMPT_LOGPROBS_ROWS, last - first - offset)
+                logits = self.model.compute_logits(hidden[row + offset : row + offset + count]).float()  # [count, vocab]
+                chosen = logits.gather(1, targets[offset : offset + count, None]).squeeze(1)
+                values.extend((chosen - torch.logsumexp(logits, dim=-1)).tolist())
+            found[index] = (first, values)
+        return found

@@ -71,6 +71,7 @@ class SamplingParams:
     top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each step (vLLM's logprobs=k)
     skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's default)
     structured_outputs: StructuredOutputSpec | None = None  # constrain the output (backend/structured_output)
+    prompt_logprobs: int | None = None  # 0: the logprob of every prompt token given the ones before it (vLLM's key)
 
     def validate(self) -> None:
         """Raises SamplingParamsError naming the first bad field.
@@ -104,6 +105,9 @@ class SamplingParams:
             raise SamplingParamsError(f"random_seed/seed must be in [0, 2**64), got {self.seed}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingParamsError(f"logprobs: at most {MAX_TOP_LOGPROBS} top logprobs, got {self.top_logprobs}")
+        if self.prompt_logprobs not in (None, 0):
+            raise SamplingParamsError(
+                f"prompt_logprobs: only 0 (each prompt token's own logprob) is supported, got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop must be a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -154,6 +158,9 @@ class Request:
     block_hashes: list = field(default_factory=list)  # chained hashes of full blocks (tokens never change)
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache (0 again after a free)
     grammar: object | None = None  # backend.structured_output.manager.RequestGrammar of a constrained request
+    # With prompt_logprobs: entry i is log P(prompt token i + 1 | prompt tokens 0..i), filled chunk by chunk.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -38,6 +38,7 @@ class StreamResult:
     # Per data response, the optional outputs it carried as sent (finish_reason, the counts,
     # cumulative_logprob, logprobs): the vLLM-backend return_* flags change them per response.
     extras: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None  # with sampling_parameters prompt_logprobs: of prompt tokens 1..n-1
 
     @property
     def ttft(self) -> float | None:
@@ -110,6 +111,8 @@ def _read_response(result: StreamResult, response, now: float) -> None:
         reason = response.as_numpy("finish_reason").reshape(-1)
         if reason.size and reason[0]:
             result.finish_reason = reason[0].decode()
+    if "prompt_logprobs" in names:
+        result.prompt_logprobs = response.as_numpy("prompt_logprobs").reshape(-1).tolist()
     if "num_input_tokens" in names:
         result.num_input_tokens = int(response.as_numpy("num_input_tokens").reshape(-1)[0])
     if "num_output_tokens" in names:

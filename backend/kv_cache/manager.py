@@ -76,6 +76,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # every prompt position must be computed to score it (as vLLM does)
         size = self.block_size
         max_num_blocks = (request.num_tokens - 1) // size
         hashes = self._block_hashes(request, max_num_blocks)

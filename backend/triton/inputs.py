@@ -332,7 +332,7 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
             _set_constraint(values, key, value, where)
         elif key not in SAMPLING_PARAMETER_KEYS:
             known = ", ".join(sorted([*SAMPLING_PARAMETER_KEYS, *REQUEST_OPTION_KEYS, *FIXED_KEYS, "lora_name",
-                                      "structured_outputs", *LEGACY_KEYS]))
+                                      "structured_outputs", *LEGACY_KEYS, "prompt_logprobs"]))
             raise InputError(f"sampling_parameters: unknown key '{key}' (known: {known})")
         elif key == "stop":
             if value is None:
@@ -346,6 +346,11 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
             if not isinstance(value, list):
                 raise InputError(f"{where}: expected a list of integers")
             values["stop_token_ids"] = [_as_int(where, v) for v in value]
+        elif key == "prompt_logprobs":
+            if value is None or value is False:
+                values["prompt_logprobs"] = None
+            else:
+                values["prompt_logprobs"] = 0 if value is True else _as_int(where, value, text_ok=True)
         elif key == "logprobs":
             # vLLM: an int (how many top tokens besides the chosen one; 0 = only it) or null;
             # ours before that: a boolean.

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from backend.engine import RequestOutput
 from backend.triton.helpers import build_response, send_error
 from backend.triton.inputs import ReturnOptions
@@ -86,8 +88,11 @@ class ResponseState:
             token_ids = list(self.prompt_token_ids or []) + token_ids
         returns = self.returns
         num_input, num_output = token_counts(returns, outputs[-1], num_new_tokens, final)
-        extra = ()
+        extra = []
         if returns.logprobs or returns.cumulative_logprob:
             entries = logprob_entries(tokenizer, outputs) if returns.logprobs else []
-            extra = extra_tensors(pb, returns, self.wants_logprobs, self.cumulative_logprob, entries)
+            extra = list(extra_tensors(pb, returns, self.wants_logprobs, self.cumulative_logprob, entries))
+        prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+        if prompt_logprobs is not None:  # once, on the response with the first token
+            extra.append(pb.Tensor("prompt_logprobs", np.array([prompt_logprobs], dtype=np.float32).reshape(1, -1)))
         return build_response(pb, text, token_ids, finish_reason_text(returns, final), num_input, num_output, extra)
