@@ -70,6 +70,7 @@ SAMPLING_PARAMETER_KEYS = {
     "ignore_eos": "ignore_eos",
     "logprobs": "logprobs",
     "skip_special_tokens": "skip_special_tokens",
+    "prompt_logprobs": "prompt_logprobs",
 }
 # Non-sampling keys that the JSON may carry too (they override the single inputs).
 REQUEST_OPTION_KEYS = ("stream", "exclude_input_in_output")
@@ -332,7 +333,7 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
             _set_constraint(values, key, value, where)
         elif key not in SAMPLING_PARAMETER_KEYS:
             known = ", ".join(sorted([*SAMPLING_PARAMETER_KEYS, *REQUEST_OPTION_KEYS, *FIXED_KEYS, "lora_name",
-                                      "structured_outputs", *LEGACY_KEYS, "prompt_logprobs"]))
+                                      "structured_outputs", *LEGACY_KEYS]))
             raise InputError(f"sampling_parameters: unknown key '{key}' (known: {known})")
         elif key == "stop":
             if value is None:

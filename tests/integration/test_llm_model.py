@@ -270,3 +270,17 @@ def test_unload_and_reload_with_streams_in_flight(make_server):
         again = client.generate("after reload", max_tokens=3, ignore_eos=True)
     assert again.error is None and len(again.token_ids) == 3
     admin.close()  # an open HTTP connection keeps tritonserver's stop waiting its 30 s exit timeout
+
+
+def test_prompt_logprobs_through_the_server_equal_the_engines(triton_server, offline_engine):
+    prompt = "the server streams tokens from the cache and the prefix " * 12  # several prefill chunks
+    with StreamingClient(triton_server.grpc_url) as client:
+        result = client.generate(prompt, max_tokens=3, stream=True, exclude_input_in_output=False,
+                                 sampling_parameters={"prompt_logprobs": 0})
+        plain = client.generate(prompt, max_tokens=3, stream=True)
+    assert result.error is None and result.prompt_logprobs is not None
+    expected = offline_engine.generate([prompt], SamplingParams(max_tokens=3, prompt_logprobs=0))[0]
+    assert len(result.prompt_logprobs) == result.num_input_tokens - 1 == len(expected.prompt_logprobs)
+    assert max(abs(a - b) for a, b in zip(result.prompt_logprobs, expected.prompt_logprobs, strict=True)) < 1e-4
+    assert result.token_ids[: result.num_input_tokens] == expected.prompt_token_ids
+    assert plain.prompt_logprobs is None and plain.token_ids == result.token_ids[result.num_input_tokens:]

@@ -216,3 +216,13 @@ def test_openai_frontend_inputs_and_return_flags():
     with pytest.raises(InputError, match=r"^seed: disagrees with random_seed"):
         parse_tensors(text_input=text_tensor("x"), seed=np.array([[5]], dtype=np.uint64),
                       random_seed=np.array([[6]], dtype=np.uint64))
+
+
+def test_prompt_logprobs_key():
+    def prompt_logprobs(value):
+        return parse(text_input="x", sampling_parameters=json.dumps({"prompt_logprobs": value})).sampling_params.prompt_logprobs
+
+    assert (prompt_logprobs(0), prompt_logprobs(True), prompt_logprobs(None), prompt_logprobs(False)) == (0, 0, None, None)
+    assert prompt_logprobs("0") == 0
+    with pytest.raises(InputError, match="prompt_logprobs: only 0"):
+        prompt_logprobs(3)

@@ -1,0 +1,154 @@
+"""The quality evaluation: does a serving change leave the model's answers unchanged?
+
+    python -m perf.quality_eval [--configs all|NAME,...] [--concurrency 16]
+
+For each configuration (a copy of model_repository/llm with some parameters changed: dtype, the
+attention backend), a tritonserver is started and scored on:
+
+1. perplexity of data/quality/heldout.txt (2,401 tokens of prose written for this repository, not
+   the demo tokenizer's corpus), from the server's ``prompt_logprobs``, against transformers in
+   float32 on the very token ids the server reports;
+2. accuracy on perf/quality/qa_items.py (104 multiple-choice items: arithmetic, capitals, unit
+   conversions, Python output), greedy chat answers constrained to the item's four choices.
+
+A configuration whose perplexity is more than 0.5% off transformers float32, or whose accuracy is
+more than 2 points off the float32 configuration's, is named a regression. Speculative decoding
+is not built yet (issue 17); its rows join when it is. Results:
+perf/results/quality/<UTC time>/quality.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from backend.config import engine_config_from_model_folder
+from backend.launcher import start_server
+from client.stream import StreamingClient
+from perf.compare.repository import repository_with_overrides
+from perf.quality.qa_items import ITEMS
+from perf.quality.scoring import accuracy, perplexity, reference_logprobs, regressions
+from perf.served import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, report_dir
+
+HELDOUT = REPO_ROOT / "data" / "quality" / "heldout.txt"
+CONFIGS = {  # name -> config.pbtxt overrides; the first is the baseline
+    "float32, CPU kernels": {"dtype": "float32", "attention_backend": "auto"},
+    "float32, torch attention": {"dtype": "float32", "attention_backend": "torch"},
+    "bfloat16, CPU kernels": {"dtype": "bfloat16", "attention_backend": "auto"},
+    "bfloat16, torch attention": {"dtype": "bfloat16", "attention_backend": "torch"},
+}
+
+
+def score_perplexity(client: StreamingClient, text: str) -> tuple[list[int], list[float]]:
+    result = client.generate(text, max_tokens=1, exclude_input_in_output=False, timeout=600,
+                             sampling_parameters={"prompt_logprobs": 0})
+    if result.error or result.prompt_logprobs is None:
+        raise RuntimeError(f"scoring the held-out text failed: {result.error}")
+    prompt_ids = result.token_ids[: result.num_input_tokens]
+    return prompt_ids, result.prompt_logprobs
+
+
+def answer_items(url: str, concurrency: int) -> dict[str, str | None]:
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    for item in ITEMS:
+        work.put(item)
+    answers: dict[str, str | None] = {}
+    lock = threading.Lock()
+
+    def worker():
+        with StreamingClient(url) as client:
+            while True:
+                try:
+                    item = work.get_nowait()
+                except queue.Empty:
+                    return
+                result = client.generate(None, messages=[{"role": "user", "content": item.prompt()}], max_tokens=16,
+                                         timeout=300, sampling_parameters={"structured_outputs": {"choice": list(item.choices)}})
+                with lock:
+                    answers[item.id] = None if result.error else result.text
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answers
+
+
+def evaluate(name: str, overrides: dict[str, str], concurrency: int, work_dir: Path) -> dict:
+    repository = repository_with_overrides(DEFAULT_MODEL_REPOSITORY, "llm", overrides, work_dir / name.replace(" ", "_"))
+    print(f"[{name}] starting tritonserver ({overrides}) ...", flush=True)
+    server = start_server(repository, ready_timeout=600)
+    try:
+        started = time.monotonic()
+        with StreamingClient(server.grpc_url) as client:
+            prompt_ids, logprobs = score_perplexity(client, HELDOUT.read_text(encoding="utf-8"))
+        print(f"[{name}] perplexity {perplexity(logprobs):.4f} over {len(logprobs)} tokens; answering {len(ITEMS)} items ...",
+              flush=True)
+        answers = answer_items(server.grpc_url, concurrency)
+        row = {"name": name, "overrides": overrides, "perplexity": perplexity(logprobs), "prompt_ids": prompt_ids,
+               "num_scored_tokens": len(logprobs), "accuracy": accuracy(answers, ITEMS), "answers": answers,
+               "failed_answers": sum(a is None for a in answers.values()), "seconds": time.monotonic() - started}
+        print(f"[{name}] accuracy {row['accuracy']['all']:.1f}% ({row['seconds']:.0f} s)", flush=True)
+        return row
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.quality_eval", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="all", help=f"comma-separated names, or all ({'; '.join(CONFIGS)})")
+    parser.add_argument("--concurrency", type=int, default=16, help="item requests in flight (default: %(default)s)")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    names = list(CONFIGS) if args.configs == "all" else [n.strip() for n in args.configs.split(",")]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration {unknown[0]!r} (known: {'; '.join(CONFIGS)})")
+    out = report_dir(args, "quality")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="quality-eval-") as work_dir:
+        for name in names:
+            rows.append(evaluate(name, CONFIGS[name], args.concurrency, Path(work_dir)))
+    model_dir = engine_config_from_model_folder(str(DEFAULT_MODEL_REPOSITORY / "llm")).model.model_dir
+    if any(row["prompt_ids"] != rows[0]["prompt_ids"] for row in rows):
+        raise RuntimeError("the configurations tokenized the held-out text differently")
+    print("transformers float32 reference ...", flush=True)
+    reference = perplexity(reference_logprobs(model_dir, rows[0]["prompt_ids"]))
+    baseline = dict(rows[0], reference_perplexity=reference)
+    for row in rows:
+        row["reference_perplexity"] = reference
+        row["regressions"] = regressions(row, baseline)
+        del row["prompt_ids"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.json").write_text(json.dumps({"rows": rows, "num_items": len(ITEMS),
+                                                  "heldout_tokens": rows[0]["num_scored_tokens"] + 1}, indent=2))
+    markdown = to_markdown(rows, reference)
+    (out / "quality.md").write_text(markdown)
+    print(markdown)
+    print(f"results: {out}")
+    return 0
+
+
+def to_markdown(rows: list[dict], reference: float) -> str:
+    kinds = ["arithmetic", "capitals", "units", "code"]
+    lines = [f"transformers float32 perplexity: {reference:.4f}", "",
+             "| configuration | perplexity | vs transformers fp32 | accuracy | " + " | ".join(kinds)
+             + " | regression |", "| --- " * (5 + len(kinds)) + "|"]
+    for row in rows:
+        acc = row["accuracy"]
+        lines.append(f"| {row['name']} | {row['perplexity']:.4f} | {row['perplexity'] / reference - 1:+.3%} | "
+                     f"{acc['all']:.1f} | " + " | ".join(f"{acc[k]:.1f}" for k in kinds)
+                     + f" | {'; '.join(row['regressions']) or 'none'} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
