@@ -57,6 +57,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower sampling_params.priority first, as vLLM)
     max_queue_len: int = 1024  # waiting requests beyond this are rejected as busy
     default_max_tokens: int = 128
 
@@ -72,6 +73,7 @@ _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "torch", "cupy", "cpu"),
+    "scheduling_policy": ("fcfs", "priority"),
 }
 
 # name -> (section, kind, minimum)
@@ -91,6 +93,7 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "max_num_seqs": ("scheduler", "int", 1),
     "max_num_batched_tokens": ("scheduler", "int", 1),
     "enable_chunked_prefill": ("scheduler", "bool", None),
+    "scheduling_policy": ("scheduler", "choice", None),
     "max_queue_len": ("scheduler", "int", 0),
     "default_max_tokens": ("scheduler", "int", 1),
 }

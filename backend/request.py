@@ -71,6 +71,7 @@ class SamplingParams:
     top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each step (vLLM's logprobs=k)
     skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's default)
     structured_outputs: StructuredOutputSpec | None = None  # constrain the output (backend/structured_output)
+    priority: int = 0  # with scheduling_policy priority: lower runs first (vLLM's convention)
     prompt_logprobs: int | None = None  # 0: the logprob of every prompt token given the ones before it (vLLM's key)
 
     def validate(self) -> None:
@@ -105,6 +106,8 @@ class SamplingParams:
             raise SamplingParamsError(f"random_seed/seed must be in [0, 2**64), got {self.seed}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingParamsError(f"logprobs: at most {MAX_TOP_LOGPROBS} top logprobs, got {self.top_logprobs}")
+        if not isinstance(self.priority, int) or not -(2**31) <= self.priority < 2**31:
+            raise SamplingParamsError(f"priority must be a 32-bit integer, got {self.priority!r}")
         if self.prompt_logprobs not in (None, 0):
             raise SamplingParamsError(
                 f"prompt_logprobs: only 0 (each prompt token's own logprob) is supported, got {self.prompt_logprobs}")

@@ -54,6 +54,11 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)  # this step; now waiting again
 
 
+def priority_key(request: Request) -> tuple[int, float]:
+    """Lower runs first: the request's priority, then its arrival."""
+    return request.sampling_params.priority, request.arrival_time
+
+
 class Scheduler:
     """Owns the waiting queue and the running list; the engine drives it once per step."""
 
@@ -76,6 +81,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total since start
+        self.priority_policy = scheduler_config.scheduling_policy == "priority"
 
     # ----- queue state --------------------------------------------------------------------------
     @property
@@ -125,7 +131,7 @@ class Scheduler:
         """Queues a request the engine checked (``rejection_reason`` is None)."""
         assert self.rejection_reason(request) is None, (request.request_id, self.rejection_reason(request))
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def abort_request(self, request: Request) -> bool:
         """Aborts a waiting or running request (freeing its blocks); False when it is not here.
@@ -167,7 +173,41 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """FCFS: at the back (a preempted request at the front). Priority: behind every waiting request
+        of the same or a better (priority, arrival), so a preempted one keeps its rank."""
+        if not self.priority_policy:
+            if front:
+                self.waiting.appendleft(request)
+            else:
+                self.waiting.append(request)
+            return
+        key = priority_key(request)
+        index = len(self.waiting)
+        while index > 0 and priority_key(self.waiting[index - 1]) > key:
+            index -= 1
+        self.waiting.insert(index, request)
+
+    def _preempt_lower_priority(self, request: Request, output: SchedulerOutput) -> int | None:
+        """Priority policy: preempts the lowest-priority running request if it ranks below ``request``
+        (its share of this step is taken back); returns the tokens that frees, None if none does."""
+        if not self.priority_policy or not self.running:
+            return None
+        victim = max(self.running, key=priority_key)
+        if victim.sampling_params.priority <= request.sampling_params.priority:
+            return None
+        freed = 0
+        for index, item in enumerate(output.scheduled):
+            if item.request is victim:
+                freed = item.num_new_tokens
+                del output.scheduled[index]
+                break
+        self.running.remove(victim)
+        self._preempt(victim)
+        output.preempted.append(victim)
+        return freed
 
     # ----- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -178,7 +218,10 @@ class Scheduler:
         output = SchedulerOutput()
         scheduled = output.scheduled
 
-        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        # 1. Running requests, oldest first (priority policy: highest priority first); preempt from
+        # the end (the newest, or the lowest priority) when blocks run out.
+        if self.priority_policy:
+            self.running.sort(key=priority_key)
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
@@ -202,19 +245,23 @@ class Scheduler:
             token_budget -= num_new_tokens
             req_index += 1
 
-        # 2. Waiting requests in arrival order (preempted ones sit at the front). Like vLLM, admit
-        # none in a step that had to preempt: the pool is short of blocks. A request whose grammar
-        # is still compiling is stepped over (it keeps its place for the next step).
+        # 2. Waiting requests in arrival order (preempted ones sit at the front); under the priority
+        # policy in (priority, arrival) order, and a waiting request may preempt a running one of a
+        # lower priority for its seat or its blocks. Like vLLM, admit none in a step that had to
+        # preempt for running requests: the pool is short of blocks. A request whose grammar is
+        # still compiling is stepped over (it keeps its place for the next step).
+        blocks_short = bool(output.preempted)
         compiling: list[Request] = []
-        while (
-            self.waiting
-            and not output.preempted
-            and token_budget > 0
-            and len(self.running) < config.max_num_seqs
-        ):
+        while self.waiting and not blocks_short and token_budget > 0:
             request = self.waiting[0]
             if request.grammar is not None and not request.grammar.ready:
                 compiling.append(self.waiting.popleft())
+                continue
+            if len(self.running) >= config.max_num_seqs:
+                freed = self._preempt_lower_priority(request, output)
+                if freed is None:
+                    break
+                token_budget += freed
                 continue
             assert request.num_computed_tokens == 0, "waiting requests have no KV"
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
@@ -227,7 +274,11 @@ class Scheduler:
                     break
                 num_new_tokens = token_budget
             if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
-                break
+                freed = self._preempt_lower_priority(request, output)
+                if freed is None:
+                    break
+                token_budget += freed
+                continue
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING

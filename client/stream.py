@@ -55,7 +55,7 @@ def build_inputs(prompt: str | None, **options) -> list[grpcclient.InferInput]:
     ``prompt`` None sends no text_input (pass ``messages``: a list of {role, content}, or its JSON).
     """
     kinds = {
-        "max_tokens": np.int32, "min_length": np.int32, "top_k": np.int32,
+        "max_tokens": np.int32, "min_length": np.int32, "top_k": np.int32, "priority": np.int32,
         "temperature": np.float32, "top_p": np.float32, "random_seed": np.uint64, "seed": np.uint64,
         "frequency_penalty": np.float32, "presence_penalty": np.float32,
         "stream": bool, "ignore_eos": bool, "exclude_input_in_output": bool,

@@ -9,7 +9,8 @@ attention backend), a tritonserver is started and scored on:
    the demo tokenizer's corpus), from the server's ``prompt_logprobs``, against transformers in
    float32 on the very token ids the server reports;
 2. accuracy on perf/quality/qa_items.py (104 multiple-choice items: arithmetic, capitals, unit
-   conversions, Python output), greedy chat answers constrained to the item's four choices.
+   conversions, Python output), greedy completions after four worked examples, constrained to the
+   item's four choices.
 
 A configuration whose perplexity is more than 0.5% off transformers float32, or whose accuracy is
 more than 2 points off the float32 configuration's, is named a regression. Speculative decoding
@@ -68,10 +69,10 @@ def answer_items(url: str, concurrency: int) -> dict[str, str | None]:
                     item = work.get_nowait()
                 except queue.Empty:
                     return
-                result = client.generate(None, messages=[{"role": "user", "content": item.prompt()}], max_tokens=16,
-                                         timeout=300, sampling_parameters={"structured_outputs": {"choice": list(item.choices)}})
+                result = client.generate(item.prompt(), max_tokens=16, timeout=300,
+                                         sampling_parameters={"structured_outputs": {"choice": item.constrained_choices()}})
                 with lock:
-                    answers[item.id] = None if result.error else result.text
+                    answers[item.id] = None if result.error else result.text.strip()
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for thread in threads:

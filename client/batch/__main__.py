@@ -11,7 +11,8 @@ or, when the request gave a schema (``response_format`` json_schema, ``structure
 function of (request, text) returning None or (error code, message). Progress every few seconds,
 a summary at the end (``--summary-json`` also writes it).
 
-Requests go at the server's default priority: the `llm` model has no request priorities yet.
+Requests go at ``--priority`` (default 1: after interactive traffic at the default 0, where the
+model's ``scheduling_policy`` is ``priority``; a line's own ``body.priority`` wins).
 """
 
 from __future__ import annotations
@@ -39,13 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--validate-json", action="store_true", help="fail outputs that are not JSON (or miss their schema)")
     parser.add_argument("--post-process", action="append", default=[], metavar="MODULE:FUNCTION",
                         help="another check of each output (repeatable)")
+    parser.add_argument("--priority", type=int, default=1,
+                        help="request priority, lower first (default: %(default)s; 0 sends none)")
     parser.add_argument("--progress-interval", type=float, default=5.0, help="seconds between progress lines (0: off)")
     parser.add_argument("--summary-json", type=Path, default=None, help="write the summary here too")
     args = parser.parse_args(argv)
     if not args.input.exists():
         parser.error(f"{args.input}: no such file")
     checks = ([validate_json] if args.validate_json else []) + [load_check(spec) for spec in args.post_process]
-    runner = BatchRunner(args.url, args.model, args.concurrency, args.timeout, checks, args.progress_interval)
+    runner = BatchRunner(args.url, args.model, args.concurrency, args.timeout, checks, args.progress_interval,
+                         args.priority)
     summary = runner.run(args.input, args.output, args.order)
     print(summary.table())
     if args.summary_json is not None:

@@ -28,7 +28,7 @@ IGNORED_BODY_KEYS = frozenset({"model", "stream", "stream_options", "user"})
 # Body keys passed to the model's sampling_parameters under the same name.
 SAMPLING_KEYS = frozenset({"temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                            "min_tokens", "repetition_penalty", "ignore_eos", "structured_outputs", "guided_json",
-                           "guided_regex", "guided_choice", "guided_grammar", "skip_special_tokens"})
+                           "guided_regex", "guided_choice", "guided_grammar", "skip_special_tokens", "priority"})
 
 
 class LineError(ValueError):

@@ -128,7 +128,10 @@ def read_done(output_path: Path) -> dict[str, dict]:
 # ----------------------------------------------------------------------------------------- the run
 class BatchRunner:
     def __init__(self, url: str, model: str = "llm", concurrency: int = 64, timeout: float = 600.0,
-                 checks: list[Check] | None = None, progress_interval: float = 5.0):
+                 checks: list[Check] | None = None, progress_interval: float = 5.0, priority: int = 0):
+        """``priority``: sent with every request that does not set its own (lower runs first; it takes
+        effect where the model's scheduling_policy is priority)."""
+        self.priority = priority
         self.url = url
         self.model = model
         self.concurrency = concurrency
@@ -222,6 +225,8 @@ class BatchRunner:
 
     def _one(self, client: StreamingClient, request: BatchRequest) -> tuple[dict, StreamingClient | None]:
         """The output line of one request, and the client to go on with (None: make a new one)."""
+        if self.priority:
+            request.options["sampling_parameters"].setdefault("priority", self.priority)
         for attempt in range(BUSY_RETRIES + 1):
             request_id = f"{request.custom_id}-{os.getpid()}-{time.monotonic_ns()}"
             try:

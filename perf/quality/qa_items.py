@@ -3,8 +3,11 @@ kinds (arithmetic, capitals, unit conversions, Python output), each with four ch
 answer. Deterministic: the arithmetic comes from a seeded generator and every choice list is
 shuffled by a seeded generator, so ``ITEMS`` is the same on every machine.
 
-Scored greedy through the server with the choices as a structured-output ``choice`` constraint,
-so every answer is exactly one of the four and scoring is an exact comparison.
+Scored greedy through the server as a plain completion after four worked examples (``FEW_SHOT``,
+none of them an item), with the choices as a structured-output ``choice`` constraint, so every
+answer is exactly one of the four and scoring is an exact comparison. Measured on SmolLM2-135M
+(float32): this format 51% correct; the question as a chat message with the choices listed 27%
+(61 of 104 answers were the first listed choice), the chat question alone 32%.
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ class Item:
     answer: str
 
     def prompt(self) -> str:
-        return f"{self.question}\nAnswer with one of: {', '.join(self.choices)}."
+        return f"{FEW_SHOT}Q: {self.question}\nA:"
+
+    def constrained_choices(self) -> list[str]:
+        """What the completion may be: a choice after the space that follows "A:" (stripped to score)."""
+        return [" " + choice for choice in self.choices]
+
+
+FEW_SHOT = ("Q: What is 3 plus 4?\nA: 7\n\nQ: What is the capital of Chile?\nA: Santiago\n\n"
+            "Q: How many grams are in 3 kilograms?\nA: 3000\n\n"
+            "Q: What does this Python code print?\nprint(len([4, 5]))\nA: 2\n\n")
 
 
 def _arithmetic(rng: random.Random) -> list[Item]:

@@ -226,3 +226,11 @@ def test_prompt_logprobs_key():
     assert prompt_logprobs("0") == 0
     with pytest.raises(InputError, match="prompt_logprobs: only 0"):
         prompt_logprobs(3)
+
+
+def test_priority_input_and_key():
+    assert parse(text_input="x", priority=3).sampling_params.priority == 3
+    assert parse(text_input="x", sampling_parameters=json.dumps({"priority": -2})).sampling_params.priority == -2
+    assert parse(text_input="x").sampling_params.priority == 0
+    with pytest.raises(InputError, match="priority must be a 32-bit integer"):
+        parse(text_input="x", sampling_parameters=json.dumps({"priority": 2**40}))
