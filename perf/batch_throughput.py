@@ -12,7 +12,9 @@
    default priority 0) alone, then while a batch run of the same prompts goes on beside it at
    priority 0 (as fcfs would serve it), then beside one at priority 1 (client.batch's default):
    TTFT p50/p99 of each. A server started here runs the `llm` model with
-   ``scheduling_policy: priority`` (a copy of model_repository with that one parameter changed).
+   ``scheduling_policy: priority`` and without prefix caching (the same prompts run several times:
+   a later run would find an earlier one's blocks cached); a copy of model_repository with those two
+   parameters changed.
 
 Results: perf/results/batch/<UTC time>/batch.{json,md}.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -69,7 +72,10 @@ def _priority_repository(args: argparse.Namespace, work_dir: Path) -> argparse.N
     schedules by priority."""
     if args.url:
         return args
-    repository = repository_with_overrides(Path(args.model_repository), "llm", {"scheduling_policy": "priority"},
+    # No prefix caching: client.bench and client.batch send the same prompts one after the other, and
+    # the second run would find the first one's blocks cached.
+    repository = repository_with_overrides(Path(args.model_repository), "llm",
+                                           {"scheduling_policy": "priority", "enable_prefix_caching": "false"},
                                            work_dir / "repository")
     return argparse.Namespace(**dict(vars(args), model_repository=str(repository)))
 
@@ -84,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", default="32")
     parser.add_argument("--sweep", default="16,32,64", help="client.bench concurrencies to find its best")
     parser.add_argument("--batch-concurrency", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=2, help="bench/batch pairs, alternating order (default: %(default)s)")
+    parser.add_argument("--skip-interactive", action="store_true", help="only the throughput comparison")
     parser.add_argument("--interactive-rate", type=float, default=0.5, help="interactive requests/s (Poisson)")
     parser.add_argument("--interactive-requests", type=int, default=40)
     parser.add_argument("--tokenizer", default="models/smollm2-135m-instruct")
@@ -106,26 +114,28 @@ def main(argv: list[str] | None = None) -> int:
             report["sweep"].append(dict(row, concurrency=concurrency))
             print(f"sweep: concurrency {concurrency}: {row['output_tokens_per_s']:.1f} tok/s", flush=True)
         best = max(report["sweep"], key=lambda r: r["output_tokens_per_s"])["concurrency"]
-        bench_row = bench(url, items, ArrivalPattern("concurrency", best), f"client.bench concurrency {best}",
-                          args.timeout)
-        batch_row = run_batch(url, items, work_dir, args.batch_concurrency, args.timeout, "throughput")
-        report["throughput"] = [bench_row, batch_row]
-        report["batch_over_bench"] = batch_row["output_tokens_per_s"] / bench_row["output_tokens_per_s"]
-        print(f"batch/bench throughput: {report['batch_over_bench']:.3f}", flush=True)
+        ratios = []
+        for repeat in range(args.repeat):  # alternating which goes first: bench, batch, batch, bench, ...
+            pair = []
+            for system in (("bench", "batch") if repeat % 2 == 0 else ("batch", "bench")):
+                if system == "bench":
+                    row = bench(url, items, ArrivalPattern("concurrency", best), f"client.bench concurrency {best}",
+                                args.timeout)
+                else:
+                    row = run_batch(url, items, work_dir, args.batch_concurrency, args.timeout, f"throughput{repeat}")
+                report["throughput"].append(dict(row, system=system, repeat=repeat))
+                pair.append(row)
+            by_system = {r["label"].startswith("client.batch"): r["output_tokens_per_s"] for r in pair}
+            ratios.append(by_system[True] / by_system[False])
+            print(f"repeat {repeat + 1}/{args.repeat}: batch/bench throughput {ratios[-1]:.3f}", flush=True)
+        report["batch_over_bench"] = statistics.median(ratios)
+        report["batch_over_bench_runs"] = ratios
 
         rate = ArrivalPattern("rate", args.interactive_rate)
-        report["interactive"].append(bench(url, interactive, rate, "interactive alone", args.timeout))
-        report["batch_beside"] = []
-        for priority in (0, 1):
-            beside: dict = {}
-            batch_thread = threading.Thread(target=lambda p=priority, b=beside: b.update(
-                run_batch(url, items, work_dir, args.batch_concurrency, args.timeout, f"beside{p}", p)))
-            batch_thread.start()
-            time.sleep(5.0)  # the batch fills the server first
-            report["interactive"].append(bench(url, interactive, rate,
-                                               f"interactive beside a batch run at priority {priority}", args.timeout))
-            batch_thread.join()
-            report["batch_beside"].append(dict(beside, priority=priority))
+        if args.skip_interactive:
+            report["batch_beside"] = []
+        else:
+            _interactive(report, url, items, interactive, rate, work_dir, args)
     out.mkdir(parents=True, exist_ok=True)
     (out / "batch.json").write_text(json.dumps(report, indent=2))
     markdown = to_markdown(report)
@@ -135,11 +145,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _interactive(report: dict, url: str, items, interactive, rate, work_dir: Path, args) -> None:
+    """Interactive traffic alone, then beside a batch run at priority 0 and at priority 1."""
+    report["interactive"].append(bench(url, interactive, rate, "interactive alone", args.timeout))
+    report["batch_beside"] = []
+    for priority in (0, 1):
+        beside: dict = {}
+        batch_thread = threading.Thread(target=lambda p=priority, b=beside: b.update(
+            run_batch(url, items, work_dir, args.batch_concurrency, args.timeout, f"beside{p}", p)))
+        batch_thread.start()
+        time.sleep(5.0)  # the batch fills the server first
+        report["interactive"].append(bench(url, interactive, rate,
+                                           f"interactive beside a batch run at priority {priority}", args.timeout))
+        batch_thread.join()
+        report["batch_beside"].append(dict(beside, priority=priority))
+
+
 def to_markdown(report: dict) -> str:
     lines = ["| run | output tok/s | seconds | errors |", "| --- | --- | --- | --- |"]
     for row in report["sweep"] + report["throughput"]:
         lines.append(f"| {row['label']} | {row['output_tokens_per_s']:.1f} | {row['seconds']:.1f} | {row['errors']} |")
-    lines += ["", f"client.batch / client.bench at its best concurrency: {report['batch_over_bench']:.3f}", "",
+    runs = ", ".join(f"{r:.3f}" for r in report.get("batch_over_bench_runs", []))
+    lines += ["", f"client.batch / client.bench at its best concurrency: {report['batch_over_bench']:.3f} "
+              f"(median of the pairs: {runs})", "",
               "| interactive traffic | TTFT p50 (ms) | TTFT p99 (ms) | errors |", "| --- | --- | --- | --- |"]
     for row in report["interactive"]:
         ttft = row["ttft_ms"]
