@@ -39,7 +39,7 @@ from client.bench.runner import run_workload
 from client.bench.stats import compute_metrics
 from client.bench.workload import build_workload
 from perf.compare.repository import repository_with_overrides
-from perf.served import add_server_arguments, report_dir, served
+from perf.served import add_server_arguments, report_dir, served, write_report
 
 
 def batch_file(items, path: Path) -> None:
@@ -136,12 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             report["batch_beside"] = []
         else:
             _interactive(report, url, items, interactive, rate, work_dir, args)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "batch.json").write_text(json.dumps(report, indent=2))
-    markdown = to_markdown(report)
-    (out / "batch.md").write_text(markdown)
-    print(markdown)
-    print(f"results: {out}")
+    write_report(out, "batch", report, to_markdown(report))
     return 0
 
 

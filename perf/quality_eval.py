@@ -21,7 +21,6 @@ perf/results/quality/<UTC time>/quality.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import queue
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from client.stream import StreamingClient
 from perf.compare.repository import repository_with_overrides
 from perf.quality.qa_items import ITEMS
 from perf.quality.scoring import accuracy, perplexity, reference_logprobs, regressions
-from perf.served import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, report_dir
+from perf.served import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, report_dir, write_report
 
 HELDOUT = REPO_ROOT / "data" / "quality" / "heldout.txt"
 CONFIGS = {  # name -> config.pbtxt overrides; the first is the baseline
@@ -128,13 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         row["reference_perplexity"] = reference
         row["regressions"] = regressions(row, baseline)
         del row["prompt_ids"]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps({"rows": rows, "num_items": len(ITEMS),
-                                                  "heldout_tokens": rows[0]["num_scored_tokens"] + 1}, indent=2))
-    markdown = to_markdown(rows, reference)
-    (out / "quality.md").write_text(markdown)
-    print(markdown)
-    print(f"results: {out}")
+    write_report(out, "quality", {"rows": rows, "num_items": len(ITEMS), "heldout_tokens": rows[0]["num_scored_tokens"] + 1},
+                 to_markdown(rows, reference))
     return 0
 
 

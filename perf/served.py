@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -70,6 +71,15 @@ def parse_tool_args(parser: argparse.ArgumentParser, argv: list[str] | None, pro
 def report_dir(args: argparse.Namespace, results_name: str) -> Path:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     return Path(args.out_dir) if args.out_dir else RESULTS_DIR / results_name / stamp
+
+
+def write_report(out: Path, name: str, document: dict, markdown: str) -> None:
+    """``out/name.json`` and ``out/name.md``; prints the markdown and where it went."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(document, indent=2))
+    (out / f"{name}.md").write_text(markdown)
+    print(markdown)
+    print(f"results: {out}")
 
 
 def run_logged(command: list[str], log_path: Path, timeout: float, env: dict[str, str],

@@ -30,7 +30,7 @@ import urllib.request
 import numpy as np
 
 from client.stream import StreamingClient
-from perf.served import add_server_arguments, report_dir, served
+from perf.served import add_server_arguments, report_dir, served, write_report
 from tests.unit.structured_output_schemas import SCHEMAS
 
 MAX_TOKENS = 192
@@ -156,12 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{row['num_errors']} errors", flush=True)
         report["server_compile_end"] = server_compile_metrics(metrics_url)
     report["summary"] = summarize(report["runs"], concurrencies)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
-    markdown = to_markdown(report)
-    (out / "results.md").write_text(markdown)
-    print(markdown)
-    print(f"results: {out}")
+    write_report(out, "results", report, to_markdown(report))
     return 0 if all(r["num_errors"] == 0 for r in report["runs"]) else 1
 
 
