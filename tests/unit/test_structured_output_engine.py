@@ -169,3 +169,15 @@ def test_preemption_keeps_constrained_outputs(demo_model_dir):
     got = tight.generate(prompts, params)
     assert tight.scheduler.num_preemptions > 0
     assert [r.output_token_ids for r in got] == expected
+
+
+def test_aborting_a_request_that_waits_for_its_grammar_forgets_it(engine, monkeypatch):
+    gate: Future = Future()
+    monkeypatch.setattr(engine.structured_output.compiler, "compile", lambda spec: gate)
+    engine.add_request("aborted", prompt_token_ids=PROMPTS[0], sampling_params=constrained({"regex": "[a-c]{4}"}))
+    assert engine.structured_output.has_pending and not engine.step().outputs
+    final = engine.abort_request("aborted")
+    assert final.finished and final.finish_reason is FinishReason.ABORT
+    assert not engine.structured_output.has_pending and not engine.has_unfinished_requests()
+    gate.set_result(None)  # a compile finishing after the abort touches nothing
+    assert engine.step().outputs == []
