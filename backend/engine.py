@@ -324,9 +324,9 @@ class LLMEngine:
         )
 
     def _grammar_stats(self) -> dict:
-        compiler = self.structured_output.compiler if self.structured_output is not None else None
-        if compiler is None:
+        if self.structured_output is None:
             return {}
+        compiler = self.structured_output.compiler
         return {"grammar_compiles": compiler.num_compiles, "grammar_cache_hits": compiler.num_cache_hits,
                 "grammar_compile_seconds": compiler.take_compile_seconds()}
 

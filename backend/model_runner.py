@@ -27,6 +27,7 @@ import torch
 from backend.attention.base import AttentionMetadata
 from backend.config import CacheConfig, ConfigError, ModelConfig
 from backend.models.shape import ModelShape, ceil_div
+from backend.sampler import chosen_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -243,28 +244,21 @@ class ModelRunner:
         input_ids, positions, metadata, sample_rows, sample_indices = self.prepare(scheduled)
         prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden_size]
-        full_hidden = hidden
         if self.device.type == "cuda" and timings is not None:
             torch.cuda.synchronize(self.device)
         forwarded = time.perf_counter()
+        self.prompt_logprobs = self._prompt_logprobs(scheduled, hidden)  # before the rows are narrowed to sampling
         if not sample_rows:
             logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         else:
             if len(sample_rows) < hidden.shape[0]:
                 hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device))
             logits = self.model.compute_logits(hidden)
-        self.prompt_logprobs = self._prompt_logprobs(scheduled, full_hidden) if self._wants_prompt_logprobs(
-            scheduled) else {}
         if timings is not None:
             timings["prepare"] = timings.get("prepare", 0.0) + prepared - start
             timings["forward"] = timings.get("forward", 0.0) + forwarded - prepared
             timings["logits"] = timings.get("logits", 0.0) + time.perf_counter() - forwarded
         return logits, sample_indices
-
-    @staticmethod
-    def _wants_prompt_logprobs(scheduled: Sequence[ScheduledLike]) -> bool:
-        return any(getattr(getattr(item.request, "sampling_params", None), "prompt_logprobs", None) is not None
-                   and item.num_computed_tokens < item.request.num_prompt_tokens - 1 for item in scheduled)
 
     def _prompt_logprobs(
         self,
@@ -280,7 +274,7 @@ class ModelRunner:
         found = {}
         for index, item in enumerate(scheduled):
             request = item.request
-            if request.sampling_params.prompt_logprobs is None:
+            if getattr(getattr(request, "sampling_params", None), "prompt_logprobs", None) is None:
                 continue
             first = item.num_computed_tokens
             last = min(first + item.num_new_tokens, request.num_prompt_tokens - 1)  # positions first..last-1
@@ -292,7 +286,6 @@ class ModelRunner:
             for offset in range(0, last - first, PROMPT_LOGPROBS_ROWS):
                 count = min(PROMPT_LOGPROBS_ROWS, last - first - offset)
                 logits = self.model.compute_logits(hidden[row + offset : row + offset + count]).float()  # [count, vocab]
-                chosen = logits.gather(1, targets[offset : offset + count, None]).squeeze(1)
-                values.extend((chosen - torch.logsumexp(logits, dim=-1)).tolist())
+                values.extend(chosen_logprobs(logits, targets[offset : offset + count]).tolist())
             found[index] = (first, values)
         return found

@@ -192,7 +192,7 @@ class Sampler:
         top_values: torch.Tensor | None,  # [num_rows, max_top] out; None when max_top is 0
         top_ids: torch.Tensor | None,  # [num_rows, max_top] out
     ) -> None:
-        lp = _chosen_logprobs(logits, tokens)  # [n]
+        lp = chosen_logprobs(logits, tokens)  # [n]
         self._scatter(chosen, idx, lp)
         # Rank in logit order equals rank in logprob order (same row normaliser).
         chosen_logit = logits.gather(1, tokens[:, None])  # [n, 1]
@@ -378,7 +378,7 @@ def _select_rows(
 _TOP_P_CANDIDATES = 256  # tokens looked at before falling back to a full sort for top-p
 
 
-def _chosen_logprobs(
+def chosen_logprobs(
     logits: torch.Tensor,  # [n, vocab_size] processed logits
     token_ids: torch.Tensor,  # [n]
 ) -> torch.Tensor:  # [n] log_softmax(logits)[i, token_ids[i]], without the full log_softmax

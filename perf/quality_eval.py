@@ -21,10 +21,8 @@ perf/results/quality/<UTC time>/quality.{json,md}.
 from __future__ import annotations
 
 import argparse
-import queue
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,7 +32,7 @@ from client.stream import StreamingClient
 from perf.compare.repository import repository_with_overrides
 from perf.quality.qa_items import ITEMS
 from perf.quality.scoring import accuracy, perplexity, reference_logprobs, regressions
-from perf.served import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, report_dir, write_report
+from perf.served import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, generate_all, report_dir, write_report
 
 HELDOUT = REPO_ROOT / "data" / "quality" / "heldout.txt"
 CONFIGS = {  # name -> config.pbtxt overrides; the first is the baseline
@@ -55,30 +53,10 @@ def score_perplexity(client: StreamingClient, text: str) -> tuple[list[int], lis
 
 
 def answer_items(url: str, concurrency: int) -> dict[str, str | None]:
-    work: queue.SimpleQueue = queue.SimpleQueue()
-    for item in ITEMS:
-        work.put(item)
-    answers: dict[str, str | None] = {}
-    lock = threading.Lock()
-
-    def worker():
-        with StreamingClient(url) as client:
-            while True:
-                try:
-                    item = work.get_nowait()
-                except queue.Empty:
-                    return
-                result = client.generate(item.prompt(), max_tokens=16, timeout=300,
-                                         sampling_parameters={"structured_outputs": {"choice": item.constrained_choices()}})
-                with lock:
-                    answers[item.id] = None if result.error else result.text.strip()
-
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return answers
+    requests = [(item.prompt(), {"max_tokens": 16, "sampling_parameters": {
+        "structured_outputs": {"choice": item.constrained_choices()}}}) for item in ITEMS]
+    results = generate_all(url, requests, concurrency, timeout=300)
+    return {item.id: None if result.error else result.text.strip() for item, result in zip(ITEMS, results, strict=True)}
 
 
 def evaluate(name: str, overrides: dict[str, str], concurrency: int, work_dir: Path) -> dict:

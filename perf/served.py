@@ -12,13 +12,16 @@ import argparse
 import contextlib
 import datetime
 import json
+import queue
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from backend.launcher import TritonServer, start_server
+from client.stream import StreamingClient, StreamResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -80,6 +83,32 @@ def write_report(out: Path, name: str, document: dict, markdown: str) -> None:
     (out / f"{name}.md").write_text(markdown)
     print(markdown)
     print(f"results: {out}")
+
+
+def generate_all(url: str, requests: list[tuple[str | None, dict]], concurrency: int,
+                 timeout: float) -> list[StreamResult]:
+    """Each (prompt, generate() options) from ``concurrency`` closed-loop clients, each on its own
+    gRPC stream (a stream's error carries no request id); the results in request order."""
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    for index, request in enumerate(requests):
+        work.put((index, request))
+    results: list[StreamResult | None] = [None] * len(requests)
+
+    def client_loop() -> None:
+        with StreamingClient(url) as client:
+            while True:
+                try:
+                    index, (prompt, options) = work.get_nowait()
+                except queue.Empty:
+                    return
+                results[index] = client.generate(prompt, timeout=timeout, **options)
+
+    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def run_logged(command: list[str], log_path: Path, timeout: float, env: dict[str, str],

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import statistics
 import sys
-import threading
 import time
 import urllib.request
 
 import numpy as np
 
 from client.stream import StreamingClient
-from perf.served import add_server_arguments, report_dir, served, write_report
+from perf.served import add_server_arguments, generate_all, report_dir, served, write_report
 from tests.unit.structured_output_schemas import SCHEMAS
 
 MAX_TOKENS = 192
@@ -43,29 +41,11 @@ def prompts() -> list[tuple[list[dict], dict]]:
 
 def run_load(url: str, jobs: list[dict], concurrency: int, timeout: float) -> dict:
     """Sends ``jobs`` (generate() keyword arguments) from ``concurrency`` closed-loop clients."""
-    work: queue.SimpleQueue = queue.SimpleQueue()
-    for job in jobs:
-        work.put(job)
-    results, errors, lock = [], [], threading.Lock()
-
-    def client_loop():
-        with StreamingClient(url) as client:
-            while True:
-                try:
-                    job = work.get_nowait()
-                except queue.Empty:
-                    return
-                result = client.generate(None, timeout=timeout, **job)
-                with lock:
-                    (errors if result.error else results).append(result)
-
     started = time.monotonic()
-    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    done = generate_all(url, [(None, job) for job in jobs], concurrency, timeout)
     elapsed = time.monotonic() - started
+    results = [r for r in done if not r.error]
+    errors = [r for r in done if r.error]
     tokens = sum(len(r.token_ids) for r in results)
     gaps = [b - a for r in results for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
     return {"requests": len(results), "errors": [e.error for e in errors][:3], "num_errors": len(errors),

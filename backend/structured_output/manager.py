@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +34,7 @@ class RequestGrammar:
     spec: StructuredOutputSpec
     future: concurrent.futures.Future
     matcher: object | None = None  # xgrammar.GrammarMatcher once the grammar compiled
-    num_accepted: int = field(default=0)
+    num_accepted: int = 0
 
     @property
     def ready(self) -> bool:

@@ -91,7 +91,7 @@ class ResponseState:
         extra = []
         if returns.logprobs or returns.cumulative_logprob:
             entries = logprob_entries(tokenizer, outputs) if returns.logprobs else []
-            extra = list(extra_tensors(pb, returns, self.wants_logprobs, self.cumulative_logprob, entries))
+            extra = extra_tensors(pb, returns, self.wants_logprobs, self.cumulative_logprob, entries)
         prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
         if prompt_logprobs is not None:  # once, on the response with the first token
             extra.append(pb.Tensor("prompt_logprobs", np.array([prompt_logprobs], dtype=np.float32).reshape(1, -1)))
