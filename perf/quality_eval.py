@@ -1,6 +1,6 @@
 """The quality evaluation: does a serving change leave the model's answers unchanged?
 
-    python -m perf.quality_eval [--configs all|NAME,...] [--concurrency 16]
+    python -m perf.quality_eval [--configs all|"NAME; NAME..."] [--concurrency 16]
 
 For each configuration (a copy of model_repository/llm with some parameters changed: dtype, the
 attention backend), a tritonserver is started and scored on:
@@ -82,11 +82,11 @@ def evaluate(name: str, overrides: dict[str, str], concurrency: int, work_dir: P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.quality_eval", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="all", help=f"comma-separated names, or all ({'; '.join(CONFIGS)})")
+    parser.add_argument("--configs", default="all", help=f"names separated by semicolons (they contain commas), or all ({'; '.join(CONFIGS)})")
     parser.add_argument("--concurrency", type=int, default=16, help="item requests in flight (default: %(default)s)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
-    names = list(CONFIGS) if args.configs == "all" else [n.strip() for n in args.configs.split(",")]
+    names = list(CONFIGS) if args.configs == "all" else [n.strip() for n in args.configs.split(";")]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         parser.error(f"unknown configuration {unknown[0]!r} (known: {'; '.join(CONFIGS)})")
