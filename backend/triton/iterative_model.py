@@ -138,11 +138,11 @@ class IterativeDriver:
         try:
             outputs, stats = self.core.iterate(adds, aborts, step=True)
         except CoreLost as exc:
-            self.lose_everything(str(exc))
+            self.lose_everything(str(exc), present)
             return
         except Exception as exc:  # e.g. the new core would not start: no sequence may hang on it
             logger.exception("the engine iteration failed")
-            self.lose_everything(f"internal error: the engine failed ({type(exc).__name__}: {exc})")
+            self.lose_everything(f"internal error: the engine failed ({type(exc).__name__}: {exc})", present)
             return
         self._num_waiting = stats.num_waiting
         done_at = time.monotonic()
@@ -184,7 +184,7 @@ class IterativeDriver:
         try:
             _, stats = self.core.iterate([], [s.request_id for _, s in cancelled], step=False)
         except Exception as exc:  # CoreLost, or a new core that would not start
-            self.lose_everything(str(exc) if isinstance(exc, CoreLost) else f"internal error: {exc}")
+            self.lose_everything(str(exc) if isinstance(exc, CoreLost) else f"internal error: {exc}", present={})
             return len(cancelled)
         if self.metrics is not None:
             self.metrics.update_engine_stats(stats)
@@ -203,12 +203,24 @@ class IterativeDriver:
         self.core.shutdown(message)
         self.lose_everything(message)
 
-    def lose_everything(self, message: str) -> None:
-        """Every live sequence gets an error and its FINAL flag where its sender still works."""
+    def lose_everything(self, message: str, present: dict | None = None) -> None:
+        """Every live sequence ends with an error and its FINAL flag (the engine lost them all).
+
+        The sequences of this execute() (``present``) get it now. The others were rescheduled and
+        wait in the sequence batcher: Triton hands them back, so they keep the error and get it
+        then. Answering one now would close its request while Triton still holds it, and when it
+        came back it would look new and be served again (measured on Triton 2.51: the responses
+        to a request after its FINAL crash tritonserver, SIGSEGV in TRITONBACKEND_ResponseSend).
+        ``present`` None (unload: no execute() follows) sends every error now.
+        """
+        now = time.monotonic()
         for correlation_id, sequence in list(self.sequences.items()):
+            sequence.state.collect(_lost_output(sequence, message), now, self.metrics)  # kept if it ended
+            if present is not None and correlation_id not in present:
+                continue  # its last response goes out when it comes back
             try:
-                if sequence.last_sender is not None and sequence.state.final is None:
-                    send_error(self.pb, sequence.last_sender, message)
+                if sequence.last_sender is not None:
+                    sequence.state.flush(self.pb, sequence.last_sender)
             except Exception:
                 logger.debug("closing %s failed", sequence.request_id, exc_info=True)
             self._forget(correlation_id)
@@ -293,6 +305,12 @@ class CancelWatcher(PeriodicThread):
             self.driver.reap_cancelled()
         except Exception:
             logger.exception("looking for cancelled sequences failed")
+
+
+def _lost_output(sequence: Sequence, message: str) -> RequestOutput:
+    """The error final of a sequence whose engine request is gone (no new tokens)."""
+    state = sequence.state
+    return RequestOutput(state.request_id, [], "", True, None, len(state.prompt_token_ids or ()), 0, error=message)
 
 
 def _is_cancelled(request, sender) -> bool:

@@ -41,13 +41,23 @@ def write_model_repository(dest: Path, demo_model_dir: Path, overrides: dict[str
     return dest
 
 
+def stop_and_show_log(server) -> None:
+    """Stops ``server`` and prints the end of its log with its exit status: pytest shows a
+    teardown's output only when the test failed, and then the log is what says why (the log
+    folder goes with the server)."""
+    alive = server.process.poll() is None
+    tail = server.log_tail(12000)
+    code = server.stop()
+    print(f"--- tritonserver {'was running' if alive else f'had exited with {code}'}; the end of its log:\n{tail}")
+
+
 @pytest.fixture(scope="session")
 def triton_server(demo_model_dir):
     server = start_server(MODEL_REPOSITORY, ready_timeout=300)
     try:
         yield server
     finally:
-        server.stop()
+        stop_and_show_log(server)
 
 
 @pytest.fixture()
@@ -64,4 +74,4 @@ def make_server(tmp_path, demo_model_dir):
 
     yield make
     for server in servers:
-        server.stop()
+        stop_and_show_log(server)

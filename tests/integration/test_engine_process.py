@@ -150,7 +150,7 @@ def test_kill_9_of_the_llm_iterative_core_ends_its_sequences_and_the_next_is_ser
         result = client.generate("after the crash", max_tokens=4, ignore_eos=True, stream=True, timeout=60)
     assert result.error is None and len(result.token_ids) == 4
     (new_core,) = core_pids(server)
-    assert new_core != old_core
+    assert new_core != old_core and server.process.poll() is None
 
 
 def test_unload_reload_and_stop_leave_no_core_process(make_server):

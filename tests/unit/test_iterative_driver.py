@@ -110,6 +110,16 @@ class FakeMetrics:
 
     def __init__(self):
         self.stats = []
+        self.finished = {}  # reason -> requests counted
+
+    @property
+    def success(self):
+        metrics = self
+
+        class Reasons:
+            def __getitem__(self, reason):
+                return SimpleNamespace(increment=lambda n: metrics.finished.update({reason: metrics.finished.get(reason, 0) + n}))
+        return Reasons()
 
     def update_engine_stats(self, stats):
         self.stats.append(stats)
@@ -205,20 +215,50 @@ def test_a_lost_engine_core_ends_every_sequence_once_and_the_next_one_is_served(
 
     core.iterate, working = failing, core.iterate
     a.release_flags = b.release_flags = 0
-    driver.execute([a])  # b is absent from this batch: its last sender gets the error too
+    sent_to_b = len(b.sender.sent)
+    driver.execute([a])  # b is absent from this batch: rescheduled, it keeps its error until it is back
+    assert a.release_flags == 0 and len(b.sender.sent) == sent_to_b and list(driver.sequences) == [2]
+    c = FakeRequest(3)
+    driver.execute([b, c])  # the replacement core would not start: c ends with that error, b with its own
+    assert c.sender.sent[-1][1] == FINAL and "would not start" in c.sender.sent[-1][0].error.message
     for request in (a, b):
         response, flags = request.sender.sent[-1]
         assert flags == FINAL and "engine core process died" in response.error.message
         assert sum(f == FINAL for _, f in request.sender.sent) == 1
-    assert a.release_flags == 0 and driver.sequences == {}
-    c = FakeRequest(3)
-    driver.execute([c])  # the replacement core would not start: this one ends with that error
-    assert c.sender.sent[-1][1] == FINAL and "would not start" in c.sender.sent[-1][0].error.message
+    assert b.release_flags == c.release_flags == 0 and driver.sequences == {}
+    assert core.added == ["m-1", "m-2"]  # b came back to be answered, not to be served again
     core.iterate = working
     core.script = [[output("m-4", 7, finished=True)]]
     d = FakeRequest(4)
     driver.execute([d])
     assert texts(d.sender) == [("<7>", FINAL)]
+
+
+def test_a_core_lost_between_iterations_answers_each_sequence_when_triton_hands_it_back():
+    from backend.engine_core.sync_client import CoreLost
+
+    driver, core = make_driver()
+    a, b, d = FakeRequest(1), FakeRequest(2), FakeRequest(4)
+    core.script = [[], [output("m-1", 10), output("m-2", 20, finished=True), output("m-4", 40)]]
+    driver.execute([a, b, d])
+    driver.execute([a, d])  # b's final output waits in the buffer: it is absent
+    sent = {r: len(r.sender.sent) for r in (b, d)}
+
+    def lost(adds, aborts, step):
+        raise CoreLost("internal error: the engine core process died")
+
+    core.iterate, working = lost, core.iterate
+    a.sender.cancelled = True  # a cancel found by the watcher makes it talk to the (dead) core
+    assert driver.reap_cancelled() == 1
+    assert {r: len(r.sender.sent) for r in (b, d)} == sent  # nothing is sent between iterations
+    core.iterate = working
+    b.release_flags = d.release_flags = 0
+    driver.execute([b, d])
+    assert texts(b.sender)[-1] == ("<20>", FINAL)  # it had ended before the core was lost
+    response, flags = d.sender.sent[-1]
+    assert flags == FINAL and "engine core process died" in response.error.message
+    assert b.release_flags == d.release_flags == 0 and driver.sequences == {}
+    assert core.added == ["m-1", "m-2", "m-4"]
 
 
 def test_a_lost_core_zeroes_the_gauges_it_left():
@@ -237,6 +277,7 @@ def test_a_lost_core_zeroes_the_gauges_it_left():
     driver.execute([FakeRequest(1)])
     last = metrics.stats[-1]
     assert (last.num_running, last.num_waiting, last.kv_cache_usage) == (0, 0, 0.0)
+    assert metrics.finished == {"error": 2}  # each lost sequence counted once, the absent one too
 
 
 def test_draining_refuses_new_sequences_and_hands_the_grace_to_the_core():
