@@ -50,6 +50,12 @@ class CacheConfig:
     num_kv_blocks: int = 0  # 0: size from kv_cache_memory_mb, or automatically
     kv_cache_memory_mb: int = 0  # 0: automatic
     enable_prefix_caching: bool = True
+    # The second KV tier (backend/kv_cache/offload): evicted prefix blocks spill there and return.
+    kv_offload_tier: str = "none"  # none | host | disk
+    kv_offload_bytes: int = 0  # capacity; 0: 1 GiB
+    kv_offload_dir: str = ""  # the disk tier's folder; empty: ~/.cache/triton-llm/kv_offload
+    kv_offload_load_policy: str = "auto"  # auto: the cost rule decides load or recompute; always: load
+    kv_offload_queue_blocks: int = 256  # blocks waiting to be written; more are dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,8 @@ _CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "torch", "cupy", "cpu"),
     "scheduling_policy": ("fcfs", "priority"),
+    "kv_offload_tier": ("none", "host", "disk"),
+    "kv_offload_load_policy": ("auto", "always"),
 }
 
 # name -> (section, kind, minimum)
@@ -90,6 +98,11 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "num_kv_blocks": ("cache", "int", 0),
     "kv_cache_memory_mb": ("cache", "int", 0),
     "enable_prefix_caching": ("cache", "bool", None),
+    "kv_offload_tier": ("cache", "choice", None),
+    "kv_offload_bytes": ("cache", "int", 0),
+    "kv_offload_dir": ("cache", "path", None),
+    "kv_offload_load_policy": ("cache", "choice", None),
+    "kv_offload_queue_blocks": ("cache", "int", 1),
     "max_num_seqs": ("scheduler", "int", 1),
     "max_num_batched_tokens": ("scheduler", "int", 1),
     "enable_chunked_prefill": ("scheduler", "bool", None),
@@ -121,6 +134,8 @@ def _parse_value(name: str, kind: str, minimum: int | None, raw: str, base_dir: 
             raise ConfigError(f"parameter '{name}': expected one of {', '.join(_CHOICES[name])}, got {raw!r}")
         return text
     if kind == "path":
+        if not text and name == "kv_offload_dir":
+            return ""  # the default folder
         if not text:
             raise ConfigError(f"parameter '{name}': must not be empty")
         if base_dir is not None and not os.path.isabs(text):
@@ -164,6 +179,9 @@ def validate_engine_config(config: EngineConfig) -> None:
     cache, sched, model = config.cache, config.scheduler, config.model
     if cache.num_kv_blocks and cache.kv_cache_memory_mb:
         raise ConfigError("parameters 'num_kv_blocks' and 'kv_cache_memory_mb': set at most one of them")
+    if cache.kv_offload_tier != "none" and not cache.enable_prefix_caching:
+        raise ConfigError("parameter 'kv_offload_tier': needs enable_prefix_caching true (the tier keeps "
+                          "evicted prefix-cache blocks)")
     if cache.num_kv_blocks == 1:
         raise ConfigError("parameter 'num_kv_blocks': needs at least 2 (one is the null block)")
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < model.max_model_len:

@@ -35,6 +35,7 @@ from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.input_processor import EngineInputError, InputProcessor
 from backend.kv_cache.manager import KVCacheManager
+from backend.kv_cache.offload.from_config import build_offloader
 from backend.model_runner import ModelRunner
 from backend.request import FinishReason, Request, RequestStatus, SamplingParams
 from backend.sampler import Sampler, SamplerOutput
@@ -95,6 +96,16 @@ class EngineStats:
     grammar_compiles: int = 0  # structured-output constraints compiled (cache misses)
     grammar_cache_hits: int = 0  # constrained requests whose grammar was compiled (or compiling) already
     grammar_compile_seconds: list[float] = field(default_factory=list)  # compiles finished since the last stats()
+    # The KV offload tier (backend/kv_cache/offload/offloader.py: OffloadStats), cumulative:
+    kv_offload_stored_blocks: int = 0
+    kv_offload_stored_bytes: int = 0
+    kv_offload_restored_blocks: int = 0
+    kv_offload_restored_bytes: int = 0
+    kv_offload_hits: int = 0  # blocks
+    kv_offload_misses: int = 0  # blocks
+    kv_offload_recomputed_blocks: int = 0  # in the tier, recomputed by the cost rule's choice
+    kv_offload_dropped_blocks: int = 0  # the write queue was full
+    kv_offload_load_seconds: list[float] = field(default_factory=list)  # loads finished since the last stats()
 
 
 @dataclass(slots=True)
@@ -171,7 +182,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
         self.num_kv_blocks = self.model_runner.num_kv_blocks
         block_size = self.model_runner.block_size
-        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching)
+        self.offloader = build_offloader(config.cache, self.model_runner.kv_caches, block_size, config.model.model_dir)
+        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching,
+                                               self.offloader)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.model.seed)
         self.structured_output = self._structured_output_manager()
@@ -321,7 +334,29 @@ class LLMEngine:
             prefix_cache_hits=manager.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
             **self._grammar_stats(),
+            **self._offload_stats(),
         )
+
+    def _offload_stats(self) -> dict:
+        if self.offloader is None:
+            return {}
+        stats = self.offloader.stats
+        return {"kv_offload_stored_blocks": stats.stored_blocks, "kv_offload_stored_bytes": stats.stored_bytes,
+                "kv_offload_restored_blocks": stats.restored_blocks, "kv_offload_restored_bytes": stats.restored_bytes,
+                "kv_offload_hits": stats.hit_blocks, "kv_offload_misses": stats.miss_blocks,
+                "kv_offload_recomputed_blocks": stats.recomputed_blocks,
+                "kv_offload_dropped_blocks": stats.dropped_blocks,
+                "kv_offload_load_seconds": self.offloader.take_load_seconds()}
+
+    def close(self) -> None:
+        """Shutdown: a disk offload tier also keeps the prefixes still cached in the pool, so a
+        restarted server finds them; then the tier's threads stop (idempotent)."""
+        if self.offloader is None:
+            return
+        if self.offloader.tier.name == "disk" and not self.offloader.closed:
+            pool = self.kv_cache_manager.block_pool
+            self.offloader.keep(list(pool.cached_block_hash_to_block.values()))
+        self.offloader.close()
 
     def _grammar_stats(self) -> dict:
         if self.structured_output is None:
@@ -345,12 +380,20 @@ class LLMEngine:
         stats = step_stats(scheduler_output)
         if clock is not None:
             stats.timings = clock.lap({}, "schedule")
+        if self.offloader is not None:
+            self.offloader.capture()  # blocks evicted by this schedule, before the forward overwrites them
         if not scheduled:
             if self.structured_output is not None and self.structured_output.has_pending:
                 self.structured_output.wait()  # only grammars left to wait for: do not spin
+            elif self.kv_cache_manager.has_pending_restores:
+                time.sleep(0.002)  # only tier loads left to wait for
             return StepOutput(outputs, stats)
         self._step_requests = [item.request for item in scheduled]
+        forward_start = time.perf_counter()
         logits, rows = self.model_runner.execute(scheduled, stats.timings)
+        if self.offloader is not None:  # the cost rule's prefill rate and step time
+            self.offloader.observe_step(stats.num_prefill_tokens + stats.num_decode_tokens, stats.num_prefill_tokens,
+                                        time.perf_counter() - forward_start)
         for index, (first, values) in self.model_runner.prompt_logprobs.items():
             _collect_prompt_logprobs(scheduled[index].request, first, values)
         if clock is not None:

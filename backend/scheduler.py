@@ -251,11 +251,11 @@ class Scheduler:
         # preempt for running requests: the pool is short of blocks. A request whose grammar is
         # still compiling is stepped over (it keeps its place for the next step).
         blocks_short = bool(output.preempted)
-        compiling: list[Request] = []
+        stepped_over: list[Request] = []  # grammar compiling, or KV loading from the offload tier
         while self.waiting and not blocks_short and token_budget > 0:
             request = self.waiting[0]
             if request.grammar is not None and not request.grammar.ready:
-                compiling.append(self.waiting.popleft())
+                stepped_over.append(self.waiting.popleft())
                 continue
             if len(self.running) >= config.max_num_seqs:
                 freed = self._preempt_lower_priority(request, output)
@@ -264,7 +264,16 @@ class Scheduler:
                 token_budget += freed
                 continue
             assert request.num_computed_tokens == 0, "waiting requests have no KV"
+            if kv.restore_in_flight(request):
+                stepped_over.append(self.waiting.popleft())
+                continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            restored = kv.find_offloaded(request, computed_blocks)
+            if restored is None:
+                stepped_over.append(self.waiting.popleft())
+                continue
+            num_restored_tokens = len(restored) * kv.block_size
+            num_hit_tokens += num_restored_tokens
             num_new_tokens = request.num_tokens - num_hit_tokens
             if num_new_tokens > token_budget:
                 # Without chunked prefill a prompt waits for a step with room for all of it. A
@@ -273,12 +282,13 @@ class Scheduler:
                 if not config.enable_chunked_prefill and num_new_tokens <= config.max_num_batched_tokens:
                     break
                 num_new_tokens = token_budget
-            if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+            if kv.allocate_slots(request, num_restored_tokens + num_new_tokens, computed_blocks) is None:
                 freed = self._preempt_lower_priority(request, output)
                 if freed is None:
                     break
                 token_budget += freed
                 continue
+            kv.place_restored(request, len(computed_blocks), restored)
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -292,7 +302,7 @@ class Scheduler:
                 )
             )
             token_budget -= num_new_tokens
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(stepped_over))
 
         # 3. The KV of the scheduled tokens counts as computed once this step runs.
         for item in scheduled:

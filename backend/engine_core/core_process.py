@@ -92,7 +92,9 @@ def serve(core, input_socket, output_socket, autostep: bool) -> None:
             if message.shutdown is not None:
                 shutdown = message.shutdown
         if shutdown is not None:
-            send(core.fail_everything(shutdown, adds), stepped=False, final=True, answers=taken)
+            outputs = core.fail_everything(shutdown, adds)
+            core.engine.close()  # before the final message: the front end then ends this process
+            send(outputs, stepped=False, final=True, answers=taken)
             return
         stepped = (autostep or step_asked) and (bool(adds) or core.has_work())
         outputs = core.iterate(adds, aborts, step=autostep or step_asked)

@@ -45,6 +45,7 @@ class InProcessCore:
 
     def shutdown(self, message: str) -> None:
         self.core.fail_everything(message)
+        self.core.engine.close()  # the offload tier writes what it has queued
 
 
 class SyncEngineCoreClient:

@@ -12,7 +12,7 @@ never in the free queue and never handed out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -129,6 +129,9 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Called with a cached block about to be reused (its hash and KV still intact): the
+        # offload tier's chance to keep it (backend/kv_cache/offload/offloader.py).
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
         # Prefix-cache statistics in tokens; the KV cache manager updates them.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -163,6 +166,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
+        if self.on_evict is not None:
+            self.on_evict(block)
         # Trap: drop the table entry only if it still points to this block; another block with
         # the same hash may own it (a stale hash must not evict a live entry).
         if self.cached_block_hash_to_block.get(block.block_hash) is block:

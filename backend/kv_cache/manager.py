@@ -15,8 +15,12 @@ attends. It also means every scheduled step must be executed (see ``allocate_slo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
+
+import torch
 
 from backend.kv_cache.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from backend.kv_cache.offload.tier import StoredBlock
 from backend.models.shape import ceil_div
 from backend.request import Request
 
@@ -24,13 +28,21 @@ from backend.request import Request
 class KVCacheManager:
     """Allocates and frees block tables for requests; finds and registers cached prefix blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, offloader=None) -> None:
+        """``offloader`` (a KVOffloader, needs ``enable_caching``) adds the second tier: evicted
+        cached blocks spill to it and come back on a later miss (``find_offloaded``)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.offloader = offloader if enable_caching else None
+        # request id -> its tier load (in flight or done, and the index of its first block), or
+        # None once it was decided that there is nothing to load
+        self._restores: dict[str, tuple[Future, int] | None] = {}
+        if self.offloader is not None:
+            self.block_pool.on_evict = self.offloader.note_evicted
 
     # ----- counters -----------------------------------------------------------------------------
     @property
@@ -95,6 +107,75 @@ class KVCacheManager:
         self.block_pool.prefix_hits += num_hit_tokens
         return blocks, num_hit_tokens
 
+    # ----- the offload tier -----------------------------------------------------------------------
+    def find_offloaded(self, request: Request, computed_blocks: Sequence[KVCacheBlock]) -> list[StoredBlock] | None:
+        """The tier's blocks that continue ``request``'s pool hit ``computed_blocks``: [] when there
+        are none (or recomputing them is cheaper), None while they are being loaded (the request
+        waits in the queue; ask again next step), else the loaded blocks, verified against the
+        request's tokens, for ``allocate_slots`` to make room for and ``place_restored`` to write.
+        """
+        offloader = self.offloader
+        if offloader is None or request.sampling_params.prompt_logprobs is not None:
+            return []
+        request_id, size = request.request_id, self.block_size
+        start = len(computed_blocks)
+        max_num_blocks = (request.num_tokens - 1) // size  # a full hit would leave nothing to compute
+        if request_id in self._restores:
+            entry = self._restores[request_id]
+            if entry is None:
+                return []
+            pending, first = entry
+            if not pending.done():
+                return None
+            loaded = pending.result() if pending.exception() is None else []
+            if start < first:  # pool blocks before the loaded run were evicted meanwhile
+                self._restores[request_id] = None
+                return []
+            return loaded[start - first:]  # the pool hit may have grown over part of the run
+        if start >= max_num_blocks:
+            self._restores[request_id] = None
+            return []
+        hashes = self._block_hashes(request, max_num_blocks)
+        wanted = hashes[start:max_num_blocks]
+        found = offloader.available(wanted)
+        stats = offloader.stats
+        stats.hit_blocks += found
+        stats.miss_blocks += len(wanted) - found
+        if not offloader.worth_loading(found):
+            stats.recomputed_blocks += found
+            self._restores[request_id] = None
+            return []
+        token_ids = request.all_token_ids
+        expected = [(hashes[i], hashes[i - 1] if i else None, tuple(token_ids[i * size:(i + 1) * size]))
+                    for i in range(start, start + found)]
+        self._restores[request_id] = (offloader.load_async(expected), start)
+        # The lookup counts again when the request is admitted after its load: count it once.
+        self.block_pool.prefix_queries -= request.num_tokens
+        self.block_pool.prefix_hits -= start * size
+        return None
+
+    def restore_in_flight(self, request: Request) -> bool:
+        """True while the tier is still loading blocks for ``request``."""
+        entry = self._restores.get(request.request_id)
+        return entry is not None and not entry[0].done()
+
+    def place_restored(self, request: Request, first_block: int, restored: Sequence[StoredBlock]) -> None:
+        """Writes the loaded blocks into the request's blocks ``first_block..`` (allocated by
+        ``allocate_slots`` just before, in the same schedule, so before any forward reads them)."""
+        self._restores.pop(request.request_id, None)
+        if not restored:
+            return
+        offloader = self.offloader
+        offloader.capture()  # blocks noted as evicted may be the ones about to be overwritten
+        blocks = self.req_to_blocks[request.request_id][first_block:first_block + len(restored)]
+        offloader.block_io.write([b.block_id for b in blocks], torch.stack([b.kv for b in restored]))
+        offloader.stats.restored_blocks += len(restored)
+        offloader.stats.restored_bytes += sum(b.nbytes for b in restored)
+
+    @property
+    def has_pending_restores(self) -> bool:
+        return any(entry is not None and not entry[0].done() for entry in self._restores.values())
+
     # ----- allocation ---------------------------------------------------------------------------
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
@@ -153,6 +234,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Frees the request's blocks, tail first (so its prefix stays cached longest)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._restores.pop(request.request_id, None)
         request.num_cached_blocks = 0  # its hashes stay: they depend on its tokens alone
         self.block_pool.free_blocks(reversed(blocks))
 

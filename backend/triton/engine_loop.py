@@ -102,6 +102,7 @@ class EngineLoop:
                     drain_grace = self._drain_grace
                 if stopping:
                     self.outbox.put((core.fail_everything(self._shutdown_message, pending), core.stats()))
+                    core.engine.close()  # the offload tier writes what it has queued
                     return
                 if drain_grace is not None:
                     core.begin_drain(drain_grace)

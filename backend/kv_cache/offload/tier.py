@@ -1,0 +1,109 @@
+"""The tier interface (what a stored block is, what a tier must do) and the host-memory tier.
+
+A tier keeps full prefix blocks by their chained block hash (backend/kv_cache/block_pool.py), with
+the tokens and parent hash that identify them, so a load is verified exactly like a pool hit: a
+hash is a lookup key, never proof. Tiers are bounded by bytes and evict least recently used first.
+Every method may be called from the offloader's threads and the engine's: each tier locks itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class StoredBlock:
+    """One full block's KV with what identifies it."""
+
+    block_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    kv: torch.Tensor  # [num_layers, 2 (key, value), block_size, num_kv_heads, head_size], on the CPU
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def matches(self, parent_hash: int | None, token_ids) -> bool:
+        return self.parent_hash == parent_hash and self.token_ids == tuple(token_ids)
+
+
+class KVTier(ABC):
+    """A bounded store of StoredBlocks keyed by block hash."""
+
+    name: str = "tier"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity must be > 0 bytes, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.lock = threading.Lock()
+
+    @abstractmethod
+    def __contains__(self, block_hash: int) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @abstractmethod
+    def store(self, block: StoredBlock) -> bool:
+        """Keeps ``block`` (evicting the least recently used to make room); False when it cannot."""
+
+    @abstractmethod
+    def load(self, block_hash: int) -> StoredBlock | None:
+        """The block stored under ``block_hash`` (now the most recently used), or None."""
+
+
+class HostMemoryTier(KVTier):
+    """Blocks in host memory (pinned beside a CUDA device, so the copies back are DMA)."""
+
+    name = "host"
+
+    def __init__(self, capacity_bytes: int, pin_memory: bool = False) -> None:
+        super().__init__(capacity_bytes)
+        self.pin_memory = pin_memory
+        self._blocks: OrderedDict[int, StoredBlock] = OrderedDict()
+        self._used = 0
+
+    def __contains__(self, block_hash: int) -> bool:
+        with self.lock:
+            return block_hash in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def store(self, block: StoredBlock) -> bool:
+        if block.nbytes > self.capacity_bytes:
+            return False
+        kv = block.kv.pin_memory() if self.pin_memory and not block.kv.is_pinned() else block.kv
+        stored = StoredBlock(block.block_hash, block.parent_hash, tuple(block.token_ids), kv)
+        with self.lock:
+            old = self._blocks.pop(block.block_hash, None)
+            if old is not None:
+                self._used -= old.nbytes
+            while self._blocks and self._used + stored.nbytes > self.capacity_bytes:
+                _, evicted = self._blocks.popitem(last=False)
+                self._used -= evicted.nbytes
+            self._blocks[block.block_hash] = stored
+            self._used += stored.nbytes
+        return True
+
+    def load(self, block_hash: int) -> StoredBlock | None:
+        with self.lock:
+            block = self._blocks.get(block_hash)
+            if block is not None:
+                self._blocks.move_to_end(block_hash)
+            return block

@@ -1,0 +1,162 @@
+"""TTFT of a long shared prefix evicted from the pool: loaded from the KV offload tier against
+recomputed, and the same after a restart (issue 19).
+
+One run, the systems side by side on the same machine: an engine without a tier (recomputes),
+one with the disk tier (``kv_offload_load_policy`` auto: the cost rule decides, and what it
+decided is reported), and one with the host tier for reference (on a CPU it only copies memory to
+memory). Each trial evicts the prefix from every engine's pool with filler prompts, then times one
+request of prefix + a new question from submission to its first token (engine level: this is the
+prefill or load the tier saves, without Triton's constant overhead). The restart rows close each
+engine (a disk tier writes the prefixes still in its pool at shutdown), start a new one on the
+same folder and time the first request. Page cache: the disk tier's files are read back through
+the OS page cache when they are still in it (say so with the numbers: ``--drop-caches`` tries to
+empty it first, which needs root).
+
+    python -m perf.kv_offload [--prefix-tokens 2000] [--trials 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from backend.config import engine_config_from_model_folder
+from backend.engine import LLMEngine
+from backend.request import SamplingParams
+from perf.served import DEFAULT_MODEL_REPOSITORY, RESULTS_DIR, write_report
+
+SYSTEMS = ("recompute", "disk tier", "host tier")
+TIERS = {"recompute": "none", "disk tier": "disk", "host tier": "host"}
+
+
+def build(system: str, offload_dir: str, num_blocks: int, policy: str) -> LLMEngine:
+    overrides = {"num_kv_blocks": str(num_blocks), "kv_offload_tier": TIERS[system],
+                 "kv_offload_dir": offload_dir, "kv_offload_load_policy": policy, "kv_offload_bytes": str(4 << 30)}
+    return LLMEngine(engine_config_from_model_folder(str(DEFAULT_MODEL_REPOSITORY / "llm"), **overrides))
+
+
+def ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, list[int]]:
+    """Seconds from submission to the first token, and the first 8 greedy tokens (a parity check)."""
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
+    first = None
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            if output.new_token_ids and first is None:
+                first = time.perf_counter() - start
+            tokens.extend(output.new_token_ids)
+    return first, tokens
+
+
+def drop_page_cache() -> bool:
+    try:
+        subprocess.run(["sync"], check=False)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefix-tokens", type=int, default=2000)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--policy", default="auto", choices=("auto", "always"))
+    parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each disk load (root)")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    rng = random.Random(19)
+    vocab = 49000  # token ids straight from SmolLM2's vocabulary: the prefix's content does not matter here
+    prefix = [rng.randrange(100, vocab) for _ in range(args.prefix_tokens)]
+    block_size = 16
+    num_blocks = (args.prefix_tokens + 600) // block_size  # the prefix and one filler: a filler evicts it
+    work = Path(tempfile.mkdtemp(prefix="kv-offload-bench-"))
+    offload_dir = str(work / "tier")
+    engines = {s: build(s, offload_dir + ("-host" if s == "host tier" else ""), num_blocks, args.policy) for s in SYSTEMS}
+    meta = engines["recompute"].model_runner
+    print(f"model {meta.shape.num_layers} layers, dtype {meta.dtype}, pool {num_blocks} blocks of {block_size}; "
+          f"prefix {args.prefix_tokens} tokens; {args.trials} trials", flush=True)
+    times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    first_tokens: dict[str, list[list[int]]] = {s: [] for s in SYSTEMS}
+    dropped = []
+    for system, engine in engines.items():  # warm-up: the prefix once, into every pool (and tier)
+        ttft(engine, f"warm-{system}", prefix + [1, 2])
+    for trial in range(args.trials):
+        question = [rng.randrange(100, vocab) for _ in range(20)]
+        filler = [rng.randrange(100, vocab) for _ in range(num_blocks * block_size - 2 * block_size)]
+        for system, engine in engines.items():  # alternating systems within each trial
+            ttft(engine, f"fill-{trial}-{system}", filler)  # evicts the prefix (spilled to the tier)
+            if engine.offloader is not None:
+                engine.offloader.flush()
+            if system == "disk tier" and args.drop_caches:
+                dropped.append(drop_page_cache())
+            seconds, tokens = ttft(engine, f"t{trial}-{system}", prefix + question)
+            times[system].append(seconds)
+            first_tokens[system].append(tokens)
+        print(f"trial {trial + 1}/{args.trials}: " + ", ".join(f"{s} {times[s][-1] * 1000:.0f} ms" for s in SYSTEMS),
+              flush=True)
+    decisions = {s: (e.offloader.stats.restored_blocks, e.offloader.stats.recomputed_blocks)
+                 for s, e in engines.items() if e.offloader is not None}
+    rates = {s: (e.offloader.read_bytes_per_second, e.offloader.prefill_tokens_per_second)
+             for s, e in engines.items() if e.offloader is not None}
+    # Restart: close (the disk tier keeps the pool's prefixes), start anew, time the first request.
+    question = [rng.randrange(100, vocab) for _ in range(20)]
+    restart: dict[str, float] = {}
+    restart_tokens: dict[str, list[int]] = {}
+    for system in ("recompute", "disk tier"):
+        engines[system].close()
+        del engines[system]
+        if system == "disk tier" and args.drop_caches:
+            dropped.append(drop_page_cache())
+        engine = build(system, offload_dir, num_blocks, args.policy)
+        restart[system], restart_tokens[system] = ttft(engine, f"restart-{system}", prefix + question)
+        restored = engine.offloader.stats.restored_blocks if engine.offloader is not None else 0
+        print(f"after a restart: {system} {restart[system] * 1000:.0f} ms ({restored} blocks restored)", flush=True)
+        engine.close()
+    engines["host tier"].close()
+    same = all(first_tokens[s] == first_tokens["recompute"] for s in SYSTEMS) and \
+        restart_tokens["disk tier"] == restart_tokens["recompute"]
+    p50 = {s: statistics.median(v) for s, v in times.items()}
+    rows = [f"| {s} | {p50[s] * 1000:.0f} | {min(times[s]) * 1000:.0f} | {max(times[s]) * 1000:.0f} | "
+            f"{p50['recompute'] / p50[s]:.1f}x |" for s in SYSTEMS]
+    rows += [f"| after a restart: {s} | {restart[s] * 1000:.0f} | | | {restart['recompute'] / restart[s]:.1f}x |"
+             for s in restart]
+    page_cache = ("page cache dropped before each disk load" if dropped and all(dropped)
+                  else "disk files read through the OS page cache (not dropped)")
+    markdown = "\n".join([
+        f"KV offload: TTFT of a {args.prefix_tokens}-token shared prefix evicted from the pool "
+        f"(engine level, SmolLM2-135M, {meta.dtype}, {args.trials} trials, policy {args.policy}; {page_cache})",
+        "",
+        "| system | TTFT p50 ms | min | max | recompute / system |",
+        "| --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+        "cost rule (restored blocks, recomputed blocks): "
+        + ", ".join(f"{s} {v}" for s, v in decisions.items())
+        + "; measured read MB/s and prefill tok/s: "
+        + ", ".join(f"{s} {r / 1e6:.0f} MB/s, {p:.0f} tok/s" for s, (r, p) in rates.items()),
+        f"greedy tokens equal across systems: {same}",
+        "",
+        f"command: python -m perf.kv_offload {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
+    ])
+    document = {"prefix_tokens": args.prefix_tokens, "trials": args.trials, "policy": args.policy,
+                "ttft_seconds": times, "restart_ttft_seconds": restart, "decisions": decisions,
+                "same_tokens": same, "page_cache_dropped": bool(dropped and all(dropped)), "num_blocks": num_blocks,
+                "dtype": str(meta.dtype), "threads": os.cpu_count()}
+    out = Path(args.out_dir) if args.out_dir else RESULTS_DIR / "kv_offload" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    write_report(out, "kv_offload", document, markdown)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
