@@ -25,6 +25,7 @@ it from a thread; ``generate()`` and perf/engine_driver.py drive it offline.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,11 +36,13 @@ from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.input_processor import EngineInputError, InputProcessor
 from backend.kv_cache.manager import KVCacheManager
+from backend.kv_cache.offload.block_io import PagedBlockIO
 from backend.kv_cache.offload.from_config import build_offloader
 from backend.model_runner import ModelRunner
 from backend.request import FinishReason, Request, RequestStatus, SamplingParams
 from backend.sampler import Sampler, SamplerOutput
 from backend.scheduler import Scheduler
+from backend.sequence_group import SequenceGroup, sequence_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,8 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (token id, logprob) x top_logprobs
     prompt_logprobs: list[float] | None = None  # with prompt_logprobs, on the first output: of prompt tokens 1..n-1
     arrival_time: float = 0.0
+    sequence_index: int = 0  # which sample of an n > 1 request (backend/sequence_group.py)
+    sequence_finished: bool = False  # this sample's last output (``finished``: the whole request's)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
@@ -97,6 +102,7 @@ class EngineStats:
     grammar_cache_hits: int = 0  # constrained requests whose grammar was compiled (or compiling) already
     grammar_compile_seconds: list[float] = field(default_factory=list)  # compiles finished since the last stats()
     # The KV offload tier (backend/kv_cache/offload/offloader.py: OffloadStats), cumulative:
+    kv_shared_blocks: int = 0  # blocks saved by sharing (prefix hits, forked samples): references beyond the first
     kv_offload_stored_blocks: int = 0
     kv_offload_stored_bytes: int = 0
     kv_offload_restored_blocks: int = 0
@@ -120,6 +126,7 @@ class GenerationResult:
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None  # with prompt_logprobs: of prompt tokens 1..n-1
+    samples: list[GenerationResult] = field(default_factory=list)  # all n samples (this one first)
 
 
 def step_stats(scheduler_output) -> StepStats:
@@ -185,10 +192,12 @@ class LLMEngine:
         self.offloader = build_offloader(config.cache, self.model_runner.kv_caches, block_size, config.model.model_dir)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching,
                                                self.offloader)
+        self.kv_cache_manager.copy_blocks = PagedBlockIO(self.model_runner.kv_caches).copy  # copy-on-write
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.model.seed)
         self.structured_output = self._structured_output_manager()
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, SequenceGroup] = {}  # requests with n > 1, by the client's id
         self._step_requests: list[Request] | None = None  # scheduled in the running step
 
     # ----------------------------------------------------------------------------- set-up helpers
@@ -238,7 +247,7 @@ class LLMEngine:
         ``add_special_tokens`` is how the prompt text is tokenized (False for a rendered chat);
         ``check=False`` skips ``check_sampling_params`` for a caller that made it already.
         """
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.groups:
             raise EngineInputError(f"request id {request_id!r} is already in use")
         params = sampling_params or SamplingParams(max_tokens=self.config.scheduler.default_max_tokens)
         if check:
@@ -264,17 +273,36 @@ class LLMEngine:
             if self.structured_output is None:
                 raise EngineInputError(f"{params.structured_outputs.key}: structured output needs the xgrammar package")
             self.structured_output.add(request)  # compiles off the step; the request waits for it
+        if params.n > 1:
+            request.group = self.groups[request_id] = SequenceGroup(request_id, params.n, [request])
         self.requests[request_id] = request
         self.scheduler.add_request(request)
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Aborts a request (frees its blocks); returns its final output, or None if unknown."""
+        """Aborts a request (frees its blocks); returns its final output, or None if unknown.
+
+        Any sample of an n > 1 request (or the client's id) ends all of them, with one output."""
         request = self.requests.get(request_id)
+        group = self.groups.get(request_id) or (request.group if request is not None else None)
+        if group is not None:
+            return self._abort_group(group)
         if request is None:
             return None
         self.scheduler.abort_request(request)
         return self._final_output(request, [], "")
+
+    def _abort_group(self, group: SequenceGroup) -> RequestOutput:
+        first = group.sequences[0]
+        for sequence in group.unfinished():
+            self.scheduler.abort_request(sequence)
+            self.requests.pop(sequence.request_id, None)
+        group.finished = True
+        self.groups.pop(group.request_id, None)
+        output = self._output(first, [], "")
+        output.finished = output.sequence_finished = True
+        output.finish_reason = FinishReason.ABORT
+        return output
 
     def step_or_fail_all(self, timings: bool = False) -> StepOutput:
         """``step()`` for a serving loop: a failing step ends the requests it involved instead of raising.
@@ -333,6 +361,7 @@ class LLMEngine:
             prefix_cache_queries=manager.prefix_queries,
             prefix_cache_hits=manager.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            kv_shared_blocks=manager.block_pool.num_shared_references,
             **self._grammar_stats(),
             **self._offload_stats(),
         )
@@ -401,6 +430,7 @@ class LLMEngine:
         if not rows:
             return StepOutput(outputs, stats)
         sampling_requests = [scheduled[i].request for i in rows]
+        logits = self._fork_samples(logits, sampling_requests)
         if self.structured_output is not None and self.structured_output.apply_masks(logits, sampling_requests):
             if clock is not None:
                 clock.lap(stats.timings, "grammar")  # only in steps with constrained requests
@@ -422,6 +452,39 @@ class LLMEngine:
         if clock is not None:
             clock.lap(stats.timings, "detokenize")
         return StepOutput(outputs, stats)
+
+    def _fork_samples(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Samples 1..n-1 of each n > 1 request whose prompt this step completed fork from sample 0
+        (its blocks shared, backend/sequence_group.py) and join ``requests``, each with a copy of
+        sample 0's logits row. logits: [num_rows, vocab_size]; returns [num_rows + forks, vocab_size]."""
+        extra_rows: list[int] = []
+        for row in range(len(requests)):
+            parent = requests[row]
+            group = parent.group
+            if group is None or group.forked or parent.sequence_index != 0 or parent.num_output_tokens:
+                continue
+            group.forked = True
+            params = parent.sampling_params
+            for index in range(1, group.n):
+                child_params = dataclasses.replace(
+                    params, n=1, prompt_logprobs=None, seed=None if params.seed is None else (params.seed + index) % 2**64)
+                child = Request(sequence_request_id(group.request_id, index), list(parent.prompt_token_ids),
+                                child_params, eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time)
+                child.group, child.sequence_index = group, index
+                child.detokenizer = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids,
+                                                           stop=list(params.stop),
+                                                           skip_special_tokens=params.skip_special_tokens)
+                child.status = RequestStatus.RUNNING
+                child.first_scheduled_time, child.num_cached_tokens = parent.first_scheduled_time, parent.num_cached_tokens
+                self.kv_cache_manager.fork(parent, child)
+                self.scheduler.running.append(child)
+                self.requests[child.request_id] = child
+                group.sequences.append(child)
+                requests.append(child)
+                extra_rows.append(row)
+        if not extra_rows:
+            return logits
+        return torch.cat([logits, logits.index_select(0, torch.tensor(extra_rows, device=logits.device))])
 
     def _take_grammar_failures(self) -> list[RequestOutput]:
         """Requests whose constraint failed to compile end with its error; the others become schedulable."""
@@ -506,8 +569,10 @@ class LLMEngine:
         prompt_logprobs = None
         if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent and new_token_ids:
             prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+        group = request.group
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=request.request_id if group is None else group.request_id,
+            sequence_index=request.sequence_index,
             new_token_ids=new_token_ids,
             text=text,
             finished=False,
@@ -532,9 +597,15 @@ class LLMEngine:
         if request.grammar is not None:
             self.structured_output.release(request)
         output = self._output(request, new_token_ids, text)
-        output.finished = True
+        output.finished = output.sequence_finished = True
         output.finish_reason = request.finish_reason
         output.error = request.error
+        group = request.group
+        if group is not None:  # the request ends with its last sample
+            group.num_finished += 1
+            output.finished = group.finished = group.num_finished == group.n
+            if group.finished:
+                self.groups.pop(group.request_id, None)
         return output
 
     # ----------------------------------------------------------------------------- offline use
@@ -543,10 +614,13 @@ class LLMEngine:
         prompts: list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
-        """Runs prompts (text or token ids) to completion together; results in prompt order."""
+        """Runs prompts (text or token ids) to completion together; results in prompt order.
+
+        A request with n > 1 returns its first sample, with all n (in order) in ``samples``."""
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
         results: dict[str, GenerationResult] = {}
+        samples: dict[tuple[str, int], GenerationResult] = {}
         order = []
         for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
             request_id = f"generate-{index}-{time.monotonic_ns()}"
@@ -556,9 +630,14 @@ class LLMEngine:
                 request = self.add_request(request_id, prompt_token_ids=list(prompt), sampling_params=params)
             order.append(request_id)
             results[request_id] = GenerationResult(request_id, list(request.prompt_token_ids), [], "", None)
+            result = results[request_id]
+            for index in range(request.sampling_params.n):
+                samples[(request_id, index)] = result if index == 0 else GenerationResult(
+                    request_id, list(request.prompt_token_ids), [], "", None)
+                result.samples.append(samples[(request_id, index)])
         while self.has_unfinished_requests():
             for output in self.step().outputs:
-                result = results.get(output.request_id)
+                result = samples.get((output.request_id, output.sequence_index))
                 if result is None:
                     continue
                 result.output_token_ids.extend(output.new_token_ids)
@@ -567,7 +646,11 @@ class LLMEngine:
                     result.logprobs.extend(output.logprobs)
                 if output.prompt_logprobs is not None:
                     result.prompt_logprobs = output.prompt_logprobs
-                if output.finished:
+                if output.sequence_finished:
                     result.finish_reason = output.finish_reason
                     result.error = output.error
+                if output.finished and output.error is not None:  # an error or abort ends every sample
+                    for sample in results[output.request_id].samples:
+                        sample.finish_reason = sample.finish_reason or output.finish_reason
+                        sample.error = sample.error or output.error
         return [results[request_id] for request_id in order]

@@ -44,6 +44,7 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_BYTES = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
+MAX_N = 16  # parallel samples of one request
 
 
 class SamplingParamsError(ValueError):
@@ -73,6 +74,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputSpec | None = None  # constrain the output (backend/structured_output)
     priority: int = 0  # with scheduling_policy priority: lower runs first (vLLM's convention)
     prompt_logprobs: int | None = None  # 0: the logprob of every prompt token given the ones before it (vLLM's key)
+    n: int = 1  # parallel samples (TensorRT-LLM: num_return_sequences); sample i > 0 is seeded seed + i
 
     def validate(self) -> None:
         """Raises SamplingParamsError naming the first bad field.
@@ -108,6 +110,11 @@ class SamplingParams:
             raise SamplingParamsError(f"logprobs: at most {MAX_TOP_LOGPROBS} top logprobs, got {self.top_logprobs}")
         if not isinstance(self.priority, int) or not -(2**31) <= self.priority < 2**31:
             raise SamplingParamsError(f"priority must be a 32-bit integer, got {self.priority!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError(f"n/num_return_sequences must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.n > 1 and self.structured_outputs is not None:
+            raise SamplingParamsError("n/num_return_sequences: more than one sample of a structured_outputs "
+                                      "request is not supported")
         if self.prompt_logprobs not in (None, 0):
             raise SamplingParamsError(
                 f"prompt_logprobs: only 0 (each prompt token's own logprob) is supported, got {self.prompt_logprobs}")
@@ -164,6 +171,10 @@ class Request:
     # With prompt_logprobs: entry i is log P(prompt token i + 1 | prompt tokens 0..i), filled chunk by chunk.
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # Parallel sampling (n > 1): the request's samples share one SequenceGroup; this is sample
+    # ``sequence_index`` of it (sample 0 computes the prompt, the others fork its blocks).
+    group: object | None = None  # backend.sequence_group.SequenceGroup
+    sequence_index: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

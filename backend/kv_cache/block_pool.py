@@ -135,6 +135,9 @@ class BlockPool:
         # Prefix-cache statistics in tokens; the KV cache manager updates them.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # References beyond the first on referenced blocks: the blocks that sharing (prefix hits,
+        # forked sequences) saves against every request holding its own copy.
+        self.num_shared_references = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -228,6 +231,8 @@ class BlockPool:
                 raise ValueError("the null block is never referenced")
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+            else:
+                self.num_shared_references += 1
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -243,6 +248,8 @@ class BlockPool:
             if block.is_null or pending[block.block_id] > block.ref_cnt:
                 raise ValueError(f"double free of block {block.block_id} (ref_cnt {block.ref_cnt})")
         for block in blocks:
+            if block.ref_cnt > 1:
+                self.num_shared_references -= 1
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 # Lazy eviction: the block keeps its hash and KV until get_new_blocks reuses it.

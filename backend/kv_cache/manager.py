@@ -43,6 +43,10 @@ class KVCacheManager:
         self._restores: dict[str, tuple[Future, int] | None] = {}
         if self.offloader is not None:
             self.block_pool.on_evict = self.offloader.note_evicted
+        # Copies whole blocks (source ids, destination ids) in every layer's cache: set by the
+        # engine for copy-on-write of forked sequences (PagedBlockIO.copy).
+        self.copy_blocks = None
+        self.num_copy_on_write = 0  # blocks copied so far
 
     # ----- counters -----------------------------------------------------------------------------
     @property
@@ -176,6 +180,38 @@ class KVCacheManager:
     def has_pending_restores(self) -> bool:
         return any(entry is not None and not entry[0].done() for entry in self._restores.values())
 
+    # ----- forks (parallel sampling) -------------------------------------------------------------
+    def fork(self, parent: Request, child: Request) -> None:
+        """``child`` shares every block of ``parent`` (reference counts raised): the KV of the
+        parent's computed tokens, which the child's tokens repeat. A later append to a shared
+        partial block copies it first (``allocate_slots``), so neither sees the other's writes."""
+        if child.request_id in self.req_to_blocks:
+            raise ValueError(f"request {child.request_id}: already has blocks")
+        blocks = list(self.req_to_blocks.get(parent.request_id, ()))
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = blocks
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_blocks = parent.num_cached_blocks
+
+    def _copy_on_write(self, request: Request, req_blocks: list[KVCacheBlock]) -> bool:
+        """Before ``request`` appends into a partial block that another request also holds, it
+        takes a private copy of it. False (nothing changed) when the pool has no block for that."""
+        index, offset = divmod(request.num_computed_tokens, self.block_size)
+        if offset == 0 or index >= len(req_blocks) or req_blocks[index].ref_cnt <= 1:
+            return True
+        if self.block_pool.num_free_blocks < 1:
+            return False
+        if self.copy_blocks is None:
+            raise RuntimeError("copy-on-write needs copy_blocks (the engine sets it)")
+        shared = req_blocks[index]
+        (private,) = self.block_pool.get_new_blocks(1)
+        self.copy_blocks([shared.block_id], [private.block_id])
+        self.block_pool.free_blocks([shared])
+        req_blocks[index] = private
+        self.num_copy_on_write += 1
+        return True
+
     # ----- allocation ---------------------------------------------------------------------------
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
@@ -198,6 +234,11 @@ class KVCacheManager:
         num_hit_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if num_new_blocks > self.block_pool.num_free_blocks - num_hit_free:
             return None
+        if req_blocks and num_new_tokens > 0:  # a forked sequence appending to a shared block
+            if num_new_blocks + 1 > self.block_pool.num_free_blocks and self._needs_copy(request, req_blocks):
+                return None
+            if not self._copy_on_write(request, req_blocks):
+                return None
 
         # Touch the hit first so get_new_blocks cannot evict it.
         self.block_pool.touch(new_computed_blocks)
@@ -210,6 +251,10 @@ class KVCacheManager:
             num_known_tokens = min(num_computed + num_new_tokens, request.num_tokens)
             self._cache_full_blocks(request, req_blocks, num_known_tokens // self.block_size)
         return new_blocks
+
+    def _needs_copy(self, request: Request, req_blocks: list[KVCacheBlock]) -> bool:
+        index, offset = divmod(request.num_computed_tokens, self.block_size)
+        return offset != 0 and index < len(req_blocks) and req_blocks[index].ref_cnt > 1
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_full: int) -> None:
         start = request.num_cached_blocks

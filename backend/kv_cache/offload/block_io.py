@@ -38,3 +38,11 @@ class PagedBlockIO:
         for layer, (key, value) in enumerate(self.kv_caches):
             key.index_copy_(0, index, kv[:, layer, 0].to(key.dtype))
             value.index_copy_(0, index, kv[:, layer, 1].to(value.dtype))
+
+    def copy(self, source_ids: Sequence[int], destination_ids: Sequence[int]) -> None:
+        """Copies whole blocks within the cache (copy-on-write of forked sequences)."""
+        source = torch.tensor(list(source_ids), dtype=torch.int64, device=self.device)
+        destination = torch.tensor(list(destination_ids), dtype=torch.int64, device=self.device)
+        for key, value in self.kv_caches:
+            key.index_copy_(0, destination, key.index_select(0, source))
+            value.index_copy_(0, destination, value.index_select(0, source))
