@@ -39,6 +39,10 @@ class StreamResult:
     # cumulative_logprob, logprobs): the vLLM-backend return_* flags change them per response.
     extras: list[dict] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None  # with sampling_parameters prompt_logprobs: of prompt tokens 1..n-1
+    # With n > 1 samples (responses carry sequence_index): each sample's text, ids, finish reason.
+    sample_texts: dict[int, str] = field(default_factory=dict)
+    sample_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    sample_finish_reasons: dict[int, str] = field(default_factory=dict)
 
     @property
     def ttft(self) -> float | None:
@@ -56,6 +60,7 @@ def build_inputs(prompt: str | None, **options) -> list[grpcclient.InferInput]:
     """
     kinds = {
         "max_tokens": np.int32, "min_length": np.int32, "top_k": np.int32, "priority": np.int32,
+        "num_return_sequences": np.int32,
         "temperature": np.float32, "top_p": np.float32, "random_seed": np.uint64, "seed": np.uint64,
         "frequency_penalty": np.float32, "presence_penalty": np.float32,
         "stream": bool, "ignore_eos": bool, "exclude_input_in_output": bool,
@@ -98,6 +103,8 @@ def _read_response(result: StreamResult, response, now: float) -> None:
     if "text_output" not in names:
         return  # an empty final response
     result.num_responses += 1
+    if "sequence_index" in names:
+        _read_samples(result, response, names)
     text = b"".join(response.as_numpy("text_output").reshape(-1)).decode("utf-8")
     ids = response.as_numpy("output_ids").reshape(-1).tolist() if "output_ids" in names else []
     result.text += text
@@ -127,6 +134,30 @@ def _read_response(result: StreamResult, response, now: float) -> None:
                     value = json.loads(value)
             extras[name] = value.item() if hasattr(value, "item") else value
     result.extras.append(extras)
+
+
+def _read_samples(result: StreamResult, response, names: set[str]) -> None:
+    """A response of an n > 1 request: one sample's delta (streaming), or all n (its [1, n] tensors,
+    ``output_ids`` split by ``num_output_tokens``, not streaming)."""
+    indices = response.as_numpy("sequence_index").reshape(-1).tolist()
+    texts = [t.decode("utf-8") for t in response.as_numpy("text_output").reshape(-1)]
+    ids = response.as_numpy("output_ids").reshape(-1).tolist() if "output_ids" in names else []
+    reasons = [r.decode() for r in response.as_numpy("finish_reason").reshape(-1)] if "finish_reason" in names else []
+    if len(indices) > 1:
+        counts = response.as_numpy("num_output_tokens").reshape(-1).tolist()
+        prompt_ids = len(ids) - sum(counts)  # the prompt's ids lead every sample when it is included
+        split, start = [], 0
+        for count in counts:
+            length = count + prompt_ids // len(counts)
+            split.append(ids[start:start + length])
+            start += length
+    else:
+        split = [ids]
+    for position, index in enumerate(indices):
+        result.sample_texts[index] = result.sample_texts.get(index, "") + texts[position]
+        result.sample_token_ids.setdefault(index, []).extend(split[position])
+        if position < len(reasons) and reasons[position]:
+            result.sample_finish_reasons[index] = reasons[position]
 
 
 class StreamingClient:

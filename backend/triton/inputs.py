@@ -72,13 +72,14 @@ SAMPLING_PARAMETER_KEYS = {
     "skip_special_tokens": "skip_special_tokens",
     "prompt_logprobs": "prompt_logprobs",
     "priority": "priority",
+    "n": "n",
 }
 # Non-sampling keys that the JSON may carry too (they override the single inputs).
 REQUEST_OPTION_KEYS = ("stream", "exclude_input_in_output")
 # vLLM keys accepted with the one value we implement (clients of Triton's vLLM backend send them).
-FIXED_KEYS = {"n": 1, "best_of": 1, "include_stop_str_in_output": False, "spaces_between_special_tokens": True,
+FIXED_KEYS = {"best_of": 1, "include_stop_str_in_output": False, "spaces_between_special_tokens": True,
               "use_beam_search": False, "detokenize": True}
-INT_KEYS = frozenset({"max_tokens", "min_tokens", "top_k", "seed", "priority"})
+INT_KEYS = frozenset({"max_tokens", "min_tokens", "top_k", "seed", "priority", "n"})
 BOOL_KEYS = frozenset({"ignore_eos", "skip_special_tokens"})
 RETURN_INPUTS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
                  "return_num_input_tokens", "return_num_output_tokens")
@@ -213,6 +214,7 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, check: Callable
         ("presence_penalty", "presence_penalty", _as_float),
         ("ignore_eos", "ignore_eos", as_bool),
         ("priority", "priority", _as_int),
+        ("num_return_sequences", "n", _as_int),  # TensorRT-LLM's name of vLLM's n
     ):
         value = scalar(get_input, name)
         if value is not None:

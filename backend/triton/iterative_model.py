@@ -253,7 +253,7 @@ class IterativeDriver:
         adds.append(AddRequest(request_id, prompt_token_ids, parsed.sampling_params, now))
         state = ResponseState(request_id, parsed.stream, parsed.exclude_input_in_output, prompt, now,
                               returns=parsed.returns, wants_logprobs=parsed.sampling_params.logprobs,
-                              prompt_token_ids=prompt_token_ids)
+                              prompt_token_ids=prompt_token_ids, num_samples=parsed.sampling_params.n)
         sequence = Sequence(state)
         self.sequences[correlation_id] = sequence
         self._by_request_id[request_id] = correlation_id

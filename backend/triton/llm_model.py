@@ -133,7 +133,7 @@ class TritonPythonModel:
         prompt_token_ids = self.inputs.tokenize(prompt, add_special_tokens)  # a failure: execute() answers
         state = ResponseState(request_id, parsed.stream, parsed.exclude_input_in_output, prompt, arrival_time,
                               returns=parsed.returns, wants_logprobs=parsed.sampling_params.logprobs,
-                              prompt_token_ids=prompt_token_ids)
+                              prompt_token_ids=prompt_token_ids, num_samples=parsed.sampling_params.n)
         pending = AddRequest(request_id, prompt_token_ids, parsed.sampling_params, arrival_time)
         try:
             self.loop.submit(pending, on_accept=lambda: self.responder.register(ActiveRequest(state, sender)))

@@ -111,6 +111,8 @@ class TritonMetrics:
         _, self.running = make("llm_num_requests_running", "Requests in the running batch", G)
         _, self.waiting = make("llm_num_requests_waiting", "Requests waiting to be scheduled", G)
         _, self.kv_usage = make("llm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", G)
+        _, self.kv_shared = make("llm_kv_cache_shared_blocks",
+                                 "KV blocks saved by sharing (prefix hits, forked samples): references beyond the first", G)
         _, self.engine_restarts = make("llm_engine_restarts_total",
                                       "Engine-core processes that died or hung and were restarted", C)
         _, self.core_ipc = make("llm_engine_core_ipc_seconds",
@@ -138,6 +140,8 @@ class TritonMetrics:
             self.waiting.set(stats.num_waiting)
         if last is None or stats.kv_cache_usage != last.kv_cache_usage:
             self.kv_usage.set(stats.kv_cache_usage)
+        if last is None or stats.kv_shared_blocks != last.kv_shared_blocks:
+            self.kv_shared.set(stats.kv_shared_blocks)
         if last is not None:
             for metric, now, before in (
                 (self.preemptions, stats.num_preemptions, last.num_preemptions),

@@ -23,6 +23,7 @@ from backend.triton.helpers import build_response, send_error
 from backend.triton.inputs import ReturnOptions
 from backend.triton.metrics import TritonMetrics, record_finish, record_tokens
 from backend.triton.return_outputs import extra_tensors, finish_reason_text, logprob_entries, token_counts
+from backend.triton.sequence_responses import SampleState, collect_sample, flush_samples
 
 
 @dataclass(slots=True)
@@ -42,10 +43,19 @@ class ResponseState:
     prompt_sent: bool = False
     cancelled: bool = False
     cumulative_logprob: float = 0.0
+    num_samples: int = 1  # n > 1: backend/triton/sequence_responses.py sends the responses
+    samples: list = field(default_factory=list)  # with n > 1: one SampleState per sample
+
+    def __post_init__(self) -> None:
+        if self.num_samples > 1:
+            self.samples = [SampleState() for _ in range(self.num_samples)]
 
     def collect(self, output: RequestOutput, now: float, metrics: TritonMetrics | None) -> None:
         """Takes one engine output (in order) and records its metrics."""
         if self.final is not None:
+            return
+        if self.samples:
+            collect_sample(self, output, now, metrics)
             return
         if output.new_token_ids and not self.cancelled:
             record_tokens(self, output, now, metrics)
@@ -67,6 +77,8 @@ class ResponseState:
         if final is not None and final.error is not None:
             send_error(pb, sender, final.error)
             return True
+        if self.samples:
+            return flush_samples(self, pb, sender, tokenizer)
         has_tokens = any(o.new_token_ids for o in self.pending)
         if final is None and not (self.stream and has_tokens):
             return False

@@ -184,7 +184,8 @@ def test_vllm_backend_clients_sampling_parameters_are_understood():
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"n": 2}, "sampling_parameters.n: only 1 is supported"),
+        ({"n": 17}, "n/num_return_sequences must be an integer in [1, 16]"),
+        ({"n": "two"}, "sampling_parameters.n: expected a number"),
         ({"best_of": 3}, "sampling_parameters.best_of: only 1 is supported"),
         ({"include_stop_str_in_output": True}, "sampling_parameters.include_stop_str_in_output: only false"),
         ({"lora_name": "adapter"}, "sampling_parameters.lora_name: LoRA adapters are not supported"),

@@ -1,0 +1,113 @@
+"""Parallel sampling: n = 4 samples of one request against 4 separate requests with the same
+prompt, at the same KV pool size (issue 16).
+
+Engine level, the real default model, prefix caching off (so the separate requests share
+nothing): both workloads generate the same number of tokens from the same prompts with the same
+seeds (sample i of a request with seed s is the request alone with seed s + i, so the tokens are
+equal, which the run checks), alternating, ``--repeat`` times. Reported: wall time, output
+tokens/s, peak KV blocks in use, prefill tokens computed, preemptions.
+
+    python -m perf.parallel_sampling [--num-prompts 4] [--prompt-tokens 512] [--output-tokens 64] [--num-kv-blocks 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from backend.config import engine_config_from_model_folder
+from backend.engine import LLMEngine
+from backend.request import SamplingParams
+from perf.served import DEFAULT_MODEL_REPOSITORY, RESULTS_DIR, write_report
+
+N = 4
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], output_tokens: int, shared: bool) -> dict:
+    """All requests at once; returns the measurements and every sample's tokens (in a fixed order)."""
+    engine.scheduler.num_preemptions = 0
+    ids = []
+    for index, prompt in enumerate(prompts):
+        if shared:
+            params = SamplingParams(max_tokens=output_tokens, temperature=0.8, seed=1000 * index, n=N, ignore_eos=True)
+            ids.append([(f"g{index}", i) for i in range(N)])
+            engine.add_request(f"g{index}", prompt_token_ids=prompt, sampling_params=params)
+        else:
+            ids.append([])
+            for i in range(N):
+                params = SamplingParams(max_tokens=output_tokens, temperature=0.8, seed=1000 * index + i, ignore_eos=True)
+                engine.add_request(f"s{index}-{i}", prompt_token_ids=prompt, sampling_params=params)
+                ids[-1].append((f"s{index}-{i}", 0))
+    tokens: dict[tuple[str, int], list[int]] = {}
+    peak, prefill, start = 0, 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        step = engine.step()
+        prefill += step.stats.num_prefill_tokens
+        usable = engine.num_kv_blocks - 1
+        peak = max(peak, usable - engine.kv_cache_manager.num_free_blocks)
+        for output in step.outputs:
+            tokens.setdefault((output.request_id, output.sequence_index), []).extend(output.new_token_ids)
+    seconds = time.perf_counter() - start
+    generated = sum(len(t) for t in tokens.values())
+    return {"seconds": seconds, "tokens_per_second": generated / seconds, "peak_blocks": peak,
+            "prefill_tokens": prefill, "preemptions": engine.scheduler.num_preemptions,
+            "tokens": [tokens[key] for row in ids for key in row]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--num-kv-blocks", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    engine = LLMEngine(engine_config_from_model_folder(
+        str(DEFAULT_MODEL_REPOSITORY / "llm"), enable_prefix_caching="false", num_kv_blocks=str(args.num_kv_blocks)))
+    rng = random.Random(16)
+    prompts = [[rng.randrange(100, 49000) for _ in range(args.prompt_tokens)] for _ in range(args.num_prompts)]
+    print(f"{args.num_prompts} prompts of {args.prompt_tokens} tokens, {N} samples each, {args.output_tokens} output "
+          f"tokens; pool {args.num_kv_blocks} blocks of {engine.model_runner.block_size}; dtype {engine.model_runner.dtype}",
+          flush=True)
+    results: dict[str, list[dict]] = {"n=4 (shared blocks)": [], "4 separate requests": []}
+    for round_ in range(args.repeat):
+        for name, shared in (("n=4 (shared blocks)", True), ("4 separate requests", False)):
+            result = run(engine, prompts, args.output_tokens, shared)
+            results[name].append(result)
+            print(f"round {round_ + 1}/{args.repeat} {name}: {result['seconds']:.1f} s, "
+                  f"{result['tokens_per_second']:.1f} tok/s, peak {result['peak_blocks']} blocks, "
+                  f"{result['preemptions']} preemptions", flush=True)
+    same = all(r["tokens"] == results["4 separate requests"][0]["tokens"] for rows in results.values() for r in rows)
+    summary = {name: {key: statistics.median(r[key] for r in rows)
+                      for key in ("seconds", "tokens_per_second", "peak_blocks", "prefill_tokens", "preemptions")}
+               for name, rows in results.items()}
+    shared, separate = summary["n=4 (shared blocks)"], summary["4 separate requests"]
+    lines = [
+        f"Parallel sampling: {args.num_prompts} prompts x {N} samples, {args.prompt_tokens}-token prompts, "
+        f"{args.output_tokens} output tokens, prefix caching off, pool {args.num_kv_blocks} blocks "
+        f"(engine level, SmolLM2-135M, {engine.model_runner.dtype}; medians of {args.repeat})",
+        "",
+        "| workload | wall s | output tok/s | peak KV blocks | prefill tokens | preemptions |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *[f"| {name} | {s['seconds']:.1f} | {s['tokens_per_second']:.1f} | {s['peak_blocks']:.0f} | "
+          f"{s['prefill_tokens']:.0f} | {s['preemptions']:.0f} |" for name, s in summary.items()],
+        "",
+        f"n=4 / separate: throughput {shared['tokens_per_second'] / separate['tokens_per_second']:.2f}x, "
+        f"peak KV blocks {shared['peak_blocks'] / separate['peak_blocks']:.2f}x; same tokens: {same}",
+        "",
+        f"command: python -m perf.parallel_sampling {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
+    ]
+    document = {"args": vars(args), "summary": summary, "same_tokens": same,
+                "runs": {k: [{x: y for x, y in r.items() if x != "tokens"} for r in v] for k, v in results.items()}}
+    out = Path(args.out_dir) if args.out_dir else RESULTS_DIR / "parallel_sampling" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    write_report(out, "parallel_sampling", document, "\n".join(lines))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
