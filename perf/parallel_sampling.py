@@ -65,10 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--num-kv-blocks", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype parameter (float32: token-exact checks)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     engine = LLMEngine(engine_config_from_model_folder(
-        str(DEFAULT_MODEL_REPOSITORY / "llm"), enable_prefix_caching="false", num_kv_blocks=str(args.num_kv_blocks)))
+        str(DEFAULT_MODEL_REPOSITORY / "llm"), enable_prefix_caching="false", num_kv_blocks=str(args.num_kv_blocks),
+        dtype=args.dtype))
     rng = random.Random(16)
     prompts = [[rng.randrange(100, 49000) for _ in range(args.prompt_tokens)] for _ in range(args.num_prompts)]
     print(f"{args.num_prompts} prompts of {args.prompt_tokens} tokens, {N} samples each, {args.output_tokens} output "
