@@ -39,6 +39,11 @@ class StreamResult:
     # cumulative_logprob, logprobs): the vLLM-backend return_* flags change them per response.
     extras: list[dict] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None  # with sampling_parameters prompt_logprobs: of prompt tokens 1..n-1
+    # With sampling_parameters logprobs: the chosen tokens' logprobs, per token the k best
+    # {token_id, text, logprob} (logprobs k > 0), and the final response's cumulative_logprob.
+    output_log_probs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[dict]] = field(default_factory=list)
+    cumulative_logprob: float | None = None
     # With n > 1 samples (responses carry sequence_index): each sample's text, ids, finish reason.
     sample_texts: dict[int, str] = field(default_factory=dict)
     sample_token_ids: dict[int, list[int]] = field(default_factory=dict)
@@ -118,6 +123,12 @@ def _read_response(result: StreamResult, response, now: float) -> None:
         reason = response.as_numpy("finish_reason").reshape(-1)
         if reason.size and reason[0]:
             result.finish_reason = reason[0].decode()
+    if "output_log_probs" in names:
+        result.output_log_probs.extend(response.as_numpy("output_log_probs").reshape(-1).tolist())
+    if "top_logprobs" in names:
+        result.top_logprobs.extend(json.loads(response.as_numpy("top_logprobs").reshape(-1)[0]))
+    if "cumulative_logprob" in names:
+        result.cumulative_logprob = float(response.as_numpy("cumulative_logprob").reshape(-1)[-1])
     if "prompt_logprobs" in names:
         result.prompt_logprobs = response.as_numpy("prompt_logprobs").reshape(-1).tolist()
     if "num_input_tokens" in names:

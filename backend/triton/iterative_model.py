@@ -151,7 +151,7 @@ class IterativeDriver:
         for correlation_id, (request, sender) in present.items():
             sequence = self.sequences[correlation_id]
             try:
-                done = sequence.state.flush(self.pb, sender)
+                done = sequence.state.flush(self.pb, sender, getattr(self.inputs, "tokenizer", None))
             except Exception:
                 logger.exception("sending a response for %s failed", sequence.request_id)
                 if sequence.state.final is None:  # cannot reach the client: stop generating for it
@@ -220,7 +220,7 @@ class IterativeDriver:
                 continue  # its last response goes out when it comes back
             try:
                 if sequence.last_sender is not None:
-                    sequence.state.flush(self.pb, sequence.last_sender)
+                    sequence.state.flush(self.pb, sequence.last_sender, getattr(self.inputs, "tokenizer", None))
             except Exception:
                 logger.debug("closing %s failed", sequence.request_id, exc_info=True)
             self._forget(correlation_id)

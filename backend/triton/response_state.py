@@ -22,7 +22,13 @@ from backend.engine import RequestOutput
 from backend.triton.helpers import build_response, send_error
 from backend.triton.inputs import ReturnOptions
 from backend.triton.metrics import TritonMetrics, record_finish, record_tokens
-from backend.triton.return_outputs import extra_tensors, finish_reason_text, logprob_entries, token_counts
+from backend.triton.return_outputs import (
+    extra_tensors,
+    finish_reason_text,
+    log_prob_tensors,
+    logprob_entries,
+    token_counts,
+)
 from backend.triton.sequence_responses import SampleState, collect_sample, flush_samples
 
 
@@ -104,6 +110,8 @@ class ResponseState:
         if returns.logprobs or returns.cumulative_logprob:
             entries = logprob_entries(tokenizer, outputs) if returns.logprobs else []
             extra = extra_tensors(pb, returns, self.wants_logprobs, self.cumulative_logprob, entries)
+        if self.wants_logprobs:
+            extra.extend(log_prob_tensors(pb, tokenizer, outputs, final, self.cumulative_logprob, returns))
         prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
         if prompt_logprobs is not None:  # once, on the response with the first token
             extra.append(pb.Tensor("prompt_logprobs", np.array([prompt_logprobs], dtype=np.float32).reshape(1, -1)))

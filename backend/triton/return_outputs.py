@@ -13,6 +13,14 @@ Clients written for that backend (and Triton's OpenAI frontend) ask for them per
   top tokens (sampling_parameters ``logprobs: k``); the string "null" when the request asked for
   no logprobs.
 
+Whenever ``sampling_parameters.logprobs`` is set (TensorRT-LLM's ``return_log_probs`` outputs, with
+or without the flags): ``output_log_probs`` (FP32 [1, tokens of the response], the chosen tokens'),
+with ``logprobs: k > 0`` also ``top_logprobs`` (BYTES [1, 1]: JSON, per token of the response a
+list of the k best ``{"token_id", "text", "logprob"}``), and ``cumulative_logprob`` on the final
+response. They come from the sampler's final distribution (backend/sampler.py: after penalties,
+masks and temperature; for greedy requests the log-softmax of the penalised logits), the
+distribution the token was actually drawn from.
+
 Without the flags, responses keep our own schema: finish_reason empty until the final response
 (which names ``eos`` apart from ``stop``), and both counts, as totals, on the final response only.
 """
@@ -76,4 +84,20 @@ def extra_tensors(pb, returns: ReturnOptions, wants_logprobs: bool, cumulative_l
     if returns.logprobs:
         text = json.dumps(logprobs) if wants_logprobs else "null"
         tensors.append(pb.Tensor("logprobs", np.array([[text.encode("utf-8")]], dtype=np.object_)))
+    return tensors
+
+
+def log_prob_tensors(pb, tokenizer, outputs: list[RequestOutput], final: RequestOutput | None,
+                     cumulative_logprob: float, returns: ReturnOptions) -> list:
+    """``output_log_probs``, ``top_logprobs`` and (final, unless the flag sends it on every
+    response) ``cumulative_logprob`` of a request that asked for logprobs (module docstring)."""
+    chosen = [value for output in outputs for value in (output.logprobs or ())]
+    tensors = [pb.Tensor("output_log_probs", np.array([chosen], dtype=np.float32).reshape(1, -1))]
+    tops = [top for output in outputs if output.logprobs for top in (output.top_logprobs or [[]] * len(output.logprobs))]
+    if any(tops):
+        table = [[{"token_id": token_id, "text": tokenizer.decode([token_id]) if tokenizer is not None else None,
+                   "logprob": logprob} for token_id, logprob in top] for top in tops]
+        tensors.append(pb.Tensor("top_logprobs", np.array([[json.dumps(table).encode("utf-8")]], dtype=np.object_)))
+    if final is not None and not returns.cumulative_logprob:
+        tensors.append(pb.Tensor("cumulative_logprob", np.array([[cumulative_logprob]], dtype=np.float32)))
     return tensors

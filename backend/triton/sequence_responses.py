@@ -20,7 +20,13 @@ import numpy as np
 
 from backend.engine import RequestOutput
 from backend.triton.helpers import build_response
-from backend.triton.return_outputs import extra_tensors, finish_reason_text, logprob_entries, token_counts
+from backend.triton.return_outputs import (
+    extra_tensors,
+    finish_reason_text,
+    log_prob_tensors,
+    logprob_entries,
+    token_counts,
+)
 
 
 @dataclass(slots=True)
@@ -84,6 +90,9 @@ def flush_samples(state, pb, sender, tokenizer) -> bool:
             num_new = sum(len(o.new_token_ids) for o in outputs)
             num_input, num_output = token_counts(state.returns, outputs[-1], num_new, sample.final)
             extra = extra_tensors(pb, state.returns, state.wants_logprobs, sample.cumulative_logprob, entries)
+            if state.wants_logprobs:
+                extra.extend(log_prob_tensors(pb, tokenizer, outputs, sample.final, sample.cumulative_logprob,
+                                              state.returns))
             extra.append(pb.Tensor("sequence_index", np.array([[index]], dtype=np.int32)))
             responses.append(build_response(pb, text, token_ids, finish_reason_text(state.returns, sample.final),
                                             num_input, num_output, extra))
@@ -119,7 +128,7 @@ def flush_samples(state, pb, sender, tokenizer) -> bool:
         pb.Tensor("num_output_tokens", np.array([counts], dtype=np.int32)),
         pb.Tensor("sequence_index", np.arange(n, dtype=np.int32).reshape(1, n)),
     ]
-    if state.returns.cumulative_logprob:
+    if state.returns.cumulative_logprob or state.wants_logprobs:
         tensors.append(pb.Tensor("cumulative_logprob", np.array([cumulative], dtype=np.float32)))
     if state.returns.logprobs:
         tensors.append(pb.Tensor("logprobs", np.array([logprobs], dtype=np.object_)))

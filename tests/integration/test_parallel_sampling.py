@@ -67,3 +67,19 @@ def test_a_bad_n_is_refused_naming_the_field(triton_server):
         still = client.generate(PROMPT, max_tokens=2, timeout=60)
     assert result.error is not None and "n/num_return_sequences" in result.error
     assert still.error is None and len(still.token_ids) == 2
+
+
+@pytest.mark.parametrize("model", ["llm", "llm_iterative"])
+def test_log_prob_outputs_carry_the_chosen_and_the_k_best_tokens(triton_server, model, demo_model_dir):
+    engine = LLMEngine(engine_config_from_model_folder(str(MODEL_REPOSITORY / model)))
+    offline = engine.generate([PROMPT], [SamplingParams(max_tokens=6, logprobs=True, top_logprobs=3, ignore_eos=True)])[0]
+    with StreamingClient(triton_server.grpc_url, model) as client:
+        result = client.generate(PROMPT, stream=True, timeout=120,
+                                 sampling_parameters={"logprobs": 3, "max_tokens": 6, "ignore_eos": True})
+    assert result.error is None and result.token_ids == offline.output_token_ids
+    assert result.output_log_probs == pytest.approx(offline.logprobs, abs=1e-5)
+    assert len(result.top_logprobs) == 6 and all(len(top) == 3 for top in result.top_logprobs)
+    for token, top in zip(result.token_ids, result.top_logprobs, strict=True):
+        assert top[0]["token_id"] == token and top[0]["text"] == engine.tokenizer.decode([token])  # greedy: the best
+        assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+    assert result.cumulative_logprob == pytest.approx(sum(offline.logprobs), abs=1e-4), result.extras
