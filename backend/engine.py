@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.beam_group import BeamGroup, beam_request_id
+from backend.beam_search import BeamSearch
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.input_processor import EngineInputError, InputProcessor
@@ -198,6 +200,7 @@ class LLMEngine:
         self.structured_output = self._structured_output_manager()
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, SequenceGroup] = {}  # requests with n > 1, by the client's id
+        self.beam_groups: dict[str, BeamGroup] = {}  # beam-search requests, by the client's id
         self._step_requests: list[Request] | None = None  # scheduled in the running step
 
     # ----------------------------------------------------------------------------- set-up helpers
@@ -247,7 +250,7 @@ class LLMEngine:
         ``add_special_tokens`` is how the prompt text is tokenized (False for a rendered chat);
         ``check=False`` skips ``check_sampling_params`` for a caller that made it already.
         """
-        if request_id in self.requests or request_id in self.groups:
+        if request_id in self.requests or request_id in self.groups or request_id in self.beam_groups:
             raise EngineInputError(f"request id {request_id!r} is already in use")
         params = sampling_params or SamplingParams(max_tokens=self.config.scheduler.default_max_tokens)
         if check:
@@ -273,7 +276,13 @@ class LLMEngine:
             if self.structured_output is None:
                 raise EngineInputError(f"{params.structured_outputs.key}: structured output needs the xgrammar package")
             self.structured_output.add(request)  # compiles off the step; the request waits for it
-        if params.n > 1:
+        if params.beam_width > 1:
+            eos = () if params.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+            search = BeamSearch(params.beam_width, params.max_tokens, tuple(dict.fromkeys((*eos, *params.stop_token_ids))),
+                                params.length_penalty, params.early_stopping)
+            beams = [request] + [None] * (params.beam_width - 1)  # the others fork from it at its first token
+            request.beam = self.beam_groups[request_id] = BeamGroup(request_id, search, params.n, beams)
+        elif params.n > 1:
             request.group = self.groups[request_id] = SequenceGroup(request_id, params.n, [request])
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -284,6 +293,9 @@ class LLMEngine:
 
         Any sample of an n > 1 request (or the client's id) ends all of them, with one output."""
         request = self.requests.get(request_id)
+        beam = self.beam_groups.get(request_id) or (request.beam if request is not None else None)
+        if beam is not None:
+            return self._end_beam_search(beam, aborted=True)[0] if not beam.finished else None
         group = self.groups.get(request_id) or (request.group if request is not None else None)
         if group is not None:
             return self._abort_group(group)
@@ -431,6 +443,13 @@ class LLMEngine:
             return StepOutput(outputs, stats)
         sampling_requests = [scheduled[i].request for i in rows]
         logits = self._fork_samples(logits, sampling_requests)
+        if any(r.beam is not None for r in sampling_requests):  # beams are scored, not sampled
+            outputs.extend(self._beam_steps(logits, sampling_requests))
+            keep = [i for i, r in enumerate(sampling_requests) if r.beam is None]
+            sampling_requests = [sampling_requests[i] for i in keep]
+            logits = logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
+            if not sampling_requests:
+                return StepOutput(outputs, stats)
         if self.structured_output is not None and self.structured_output.apply_masks(logits, sampling_requests):
             if clock is not None:
                 clock.lap(stats.timings, "grammar")  # only in steps with constrained requests
@@ -485,6 +504,93 @@ class LLMEngine:
         if not extra_rows:
             return logits
         return torch.cat([logits, logits.index_select(0, torch.tensor(extra_rows, device=logits.device))])
+
+    # ----------------------------------------------------------------------------- beam search
+    def _beam_steps(self, logits: torch.Tensor, requests: list[Request]) -> list[RequestOutput]:
+        """Keeps each beam's log-probabilities; runs the step of every group whose beams are all
+        in (backend/beam_group.py). logits: [num_rows, vocab_size]."""
+        touched: dict[str, BeamGroup] = {}
+        for row, request in enumerate(requests):
+            group = request.beam
+            if group is None or group.finished:
+                continue
+            group.rows[group.beams.index(request)] = torch.log_softmax(logits[row].float(), dim=-1).cpu()
+            touched[group.request_id] = group
+        outputs: list[RequestOutput] = []
+        for group in touched.values():
+            if group.ready():
+                outputs.extend(self._beam_step(group))
+        return outputs
+
+    def _beam_step(self, group: BeamGroup) -> list[RequestOutput]:
+        decided = group.search.step(group.log_probs())
+        group.rows.clear()
+        if decided.done:
+            return self._end_beam_search(group)
+        old = group.beams
+        new: list[Request] = []
+        taken: set[int] = set()
+        for parent_index in decided.parents:  # forks first: a parent takes its own token after
+            parent = old[parent_index] if old[parent_index] is not None else old[0]  # not forked yet: beam 0's copy
+            if parent_index not in taken and old[parent_index] is not None:
+                taken.add(parent_index)
+                new.append(parent)
+                continue
+            new.append(self._fork_beam(group, parent))
+        for index, request in enumerate(old):
+            if request is not None and index not in taken:  # no new beam continues it
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
+                self.requests.pop(request.request_id, None)
+        for request, token in zip(new, decided.tokens, strict=True):
+            request.append_output_token(token)
+        group.beams = new
+        return []
+
+    def _fork_beam(self, group: BeamGroup, parent: Request) -> Request:
+        child = Request(beam_request_id(group.request_id, group.num_created), list(parent.prompt_token_ids),
+                        parent.sampling_params, eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time)
+        group.num_created += 1
+        child.all_token_ids = list(parent.all_token_ids)
+        child.beam = group
+        child.first_scheduled_time, child.num_cached_tokens = parent.first_scheduled_time, parent.num_cached_tokens
+        if parent.status == RequestStatus.RUNNING:
+            child.status = RequestStatus.RUNNING
+            self.kv_cache_manager.fork(parent, child)
+            self.scheduler.running.append(child)
+        else:  # a preempted parent (its row was kept): the child recomputes, as the parent will
+            self.scheduler.add_request(child)
+        self.requests[child.request_id] = child
+        return child
+
+    def _end_beam_search(self, group: BeamGroup, aborted: bool = False) -> list[RequestOutput]:
+        """Frees every running beam; the best n hypotheses (or one abort output) as the request's outputs."""
+        group.finished = True
+        self.beam_groups.pop(group.request_id, None)
+        first = next(b for b in group.beams if b is not None)
+        for request in group.beams:
+            if request is None:
+                continue
+            if aborted:
+                self.scheduler.abort_request(request)
+            else:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
+            self.requests.pop(request.request_id, None)
+        now = time.monotonic()
+        base = dict(num_prompt_tokens=first.num_prompt_tokens, num_cached_tokens=first.num_cached_tokens,
+                    arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time)
+        if aborted:
+            return [RequestOutput(group.request_id, [], "", True, FinishReason.ABORT, num_output_tokens=0,
+                                  sequence_finished=True, **base)]
+        params = first.sampling_params
+        outputs = []
+        hypotheses = group.search.best(group.n)
+        for index, (tokens, _score) in enumerate(hypotheses):
+            reason = FinishReason.EOS if tokens and tokens[-1] in group.search.eos_token_ids else FinishReason.LENGTH
+            text = self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
+            outputs.append(RequestOutput(group.request_id, tokens, text, index == len(hypotheses) - 1, reason,
+                                         num_output_tokens=len(tokens), sequence_index=index, sequence_finished=True,
+                                         first_token_time=now, **base))
+        return outputs
 
     def _take_grammar_failures(self) -> list[RequestOutput]:
         """Requests whose constraint failed to compile end with its error; the others become schedulable."""

@@ -45,6 +45,8 @@ MAX_STOP_STRING_BYTES = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_N = 16  # parallel samples of one request
+MAX_BEAM_WIDTH = 8
+EARLY_STOPPING_VALUES = (False, True, "never")  # transformers' values
 
 
 class SamplingParamsError(ValueError):
@@ -75,6 +77,9 @@ class SamplingParams:
     priority: int = 0  # with scheduling_policy priority: lower runs first (vLLM's convention)
     prompt_logprobs: int | None = None  # 0: the logprob of every prompt token given the ones before it (vLLM's key)
     n: int = 1  # parallel samples (TensorRT-LLM: num_return_sequences); sample i > 0 is seeded seed + i
+    beam_width: int = 1  # > 1: beam search (backend/beam_search.py), returning the best n beams
+    length_penalty: float = 1.0  # beam search: a hypothesis scores sum logprob / length ** this
+    early_stopping: bool | str = False  # beam search: True, False or "never", as transformers
 
     def validate(self) -> None:
         """Raises SamplingParamsError naming the first bad field.
@@ -112,7 +117,11 @@ class SamplingParams:
             raise SamplingParamsError(f"priority must be a 32-bit integer, got {self.priority!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise SamplingParamsError(f"n/num_return_sequences must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if self.n > 1 and self.structured_outputs is not None:
+        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise SamplingParamsError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
+        if self.beam_width > 1:
+            self._validate_beam_search()
+        elif self.n > 1 and self.structured_outputs is not None:
             raise SamplingParamsError("n/num_return_sequences: more than one sample of a structured_outputs "
                                       "request is not supported")
         if self.prompt_logprobs not in (None, 0):
@@ -129,6 +138,26 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
             )
+
+    def _validate_beam_search(self) -> None:
+        """Beam search is deterministic and scores raw log-probabilities: sampling settings,
+        penalties and per-token outputs do not apply to it; each is refused by name."""
+        if self.n > self.beam_width:
+            raise SamplingParamsError(f"n/num_return_sequences ({self.n}) must be <= beam_width ({self.beam_width})")
+        if not math.isfinite(self.length_penalty):
+            raise SamplingParamsError(f"length_penalty must be a finite number, got {self.length_penalty}")
+        if self.early_stopping not in EARLY_STOPPING_VALUES or isinstance(self.early_stopping, int) and not isinstance(
+                self.early_stopping, bool):
+            raise SamplingParamsError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        for name, default in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                              ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("min_tokens", 0), ("seed", None)):
+            if getattr(self, name) != default:
+                raise SamplingParamsError(f"{name}: does not apply to beam search (beam_width {self.beam_width})")
+        for name, value in (("stop", self.stop), ("logprobs", self.logprobs), ("structured_outputs", self.structured_outputs),
+                            ("prompt_logprobs", self.prompt_logprobs is not None)):
+            if value:
+                raise SamplingParamsError(f"{name}: not supported with beam search (beam_width {self.beam_width})")
 
     @property
     def greedy(self) -> bool:
@@ -175,6 +204,7 @@ class Request:
     # ``sequence_index`` of it (sample 0 computes the prompt, the others fork its blocks).
     group: object | None = None  # backend.sequence_group.SequenceGroup
     sequence_index: int = 0
+    beam: object | None = None  # backend.beam_group.BeamGroup: this request is one running beam of it
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

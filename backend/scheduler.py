@@ -209,6 +209,19 @@ class Scheduler:
         output.preempted.append(victim)
         return freed
 
+    def _preempt_an_idle_request(self, output: SchedulerOutput) -> None:
+        """Nothing could run and requests wait: a running beam with nothing to compute (its next
+        step waits for a sibling's log-probabilities; it keeps its own) holds blocks that
+        the waiting ones need. The newest such request gives them up (it recomputes later), so the
+        waiting sibling can come in; without this the two would wait for each other for good."""
+        for index in range(len(self.running) - 1, -1, -1):
+            request = self.running[index]
+            if request.beam is not None and request.num_computed_tokens >= request.num_tokens:
+                del self.running[index]
+                self._preempt(request)
+                output.preempted.append(request)
+                return
+
     # ----- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Picks this step's tokens and allocates their slots; advances ``num_computed_tokens``."""
@@ -257,6 +270,10 @@ class Scheduler:
             if request.grammar is not None and not request.grammar.ready:
                 stepped_over.append(self.waiting.popleft())
                 continue
+            if request.beam is not None and request.beam.has_row(request):
+                # a preempted beam whose log-probabilities are in: nothing to do before its group's step
+                stepped_over.append(self.waiting.popleft())
+                continue
             if len(self.running) >= config.max_num_seqs:
                 freed = self._preempt_lower_priority(request, output)
                 if freed is None:
@@ -302,6 +319,8 @@ class Scheduler:
                 )
             )
             token_budget -= num_new_tokens
+        if not scheduled and self.waiting:  # (stepped-over requests are out of self.waiting here)
+            self._preempt_an_idle_request(output)  # a waiting request could run but has no room
         self.waiting.extendleft(reversed(stepped_over))
 
         # 3. The KV of the scheduled tokens counts as computed once this step runs.

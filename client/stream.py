@@ -65,7 +65,8 @@ def build_inputs(prompt: str | None, **options) -> list[grpcclient.InferInput]:
     """
     kinds = {
         "max_tokens": np.int32, "min_length": np.int32, "top_k": np.int32, "priority": np.int32,
-        "num_return_sequences": np.int32,
+        "num_return_sequences": np.int32, "beam_width": np.int32, "length_penalty": np.float32,
+        "early_stopping": bool,
         "temperature": np.float32, "top_p": np.float32, "random_seed": np.uint64, "seed": np.uint64,
         "frequency_penalty": np.float32, "presence_penalty": np.float32,
         "stream": bool, "ignore_eos": bool, "exclude_input_in_output": bool,

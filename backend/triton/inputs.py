@@ -73,13 +73,16 @@ SAMPLING_PARAMETER_KEYS = {
     "prompt_logprobs": "prompt_logprobs",
     "priority": "priority",
     "n": "n",
+    "beam_width": "beam_width",
+    "length_penalty": "length_penalty",
+    "early_stopping": "early_stopping",
 }
 # Non-sampling keys that the JSON may carry too (they override the single inputs).
 REQUEST_OPTION_KEYS = ("stream", "exclude_input_in_output")
 # vLLM keys accepted with the one value we implement (clients of Triton's vLLM backend send them).
 FIXED_KEYS = {"best_of": 1, "include_stop_str_in_output": False, "spaces_between_special_tokens": True,
               "use_beam_search": False, "detokenize": True}
-INT_KEYS = frozenset({"max_tokens", "min_tokens", "top_k", "seed", "priority", "n"})
+INT_KEYS = frozenset({"max_tokens", "min_tokens", "top_k", "seed", "priority", "n", "beam_width"})
 BOOL_KEYS = frozenset({"ignore_eos", "skip_special_tokens"})
 RETURN_INPUTS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
                  "return_num_input_tokens", "return_num_output_tokens")
@@ -215,6 +218,9 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, check: Callable
         ("ignore_eos", "ignore_eos", as_bool),
         ("priority", "priority", _as_int),
         ("num_return_sequences", "n", _as_int),  # TensorRT-LLM's name of vLLM's n
+        ("beam_width", "beam_width", _as_int),  # TensorRT-LLM's beam search inputs
+        ("length_penalty", "length_penalty", _as_float),
+        ("early_stopping", "early_stopping", as_bool),
     ):
         value = scalar(get_input, name)
         if value is not None:
@@ -366,6 +372,8 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
             else:
                 values["logprobs"] = True
                 values["top_logprobs"] = _as_int(where, value, text_ok=True)
+        elif key == "early_stopping":  # true, false or "never" (transformers' values)
+            values[key] = "never" if value == "never" else as_bool(where, value, text_ok=True)
         elif key in BOOL_KEYS:
             values[key] = as_bool(where, value, text_ok=True)
         elif key == "seed":
