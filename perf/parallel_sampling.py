@@ -8,6 +8,10 @@ equal, which the run checks), alternating, ``--repeat`` times. Reported: wall ti
 tokens/s, peak KV blocks in use, prefill tokens computed, preemptions.
 
     python -m perf.parallel_sampling [--num-prompts 4] [--prompt-tokens 512] [--output-tokens 64] [--num-kv-blocks 256]
+
+``--beam`` measures beam search instead: ``beam_width`` 4 with its forks sharing blocks (copy-on-write)
+against forks that copy every block (``KVCacheManager.share_forks = False``), in a pool large
+enough for both: peak KV blocks in use and output tokens/s, and the same beams from both.
 """
 
 from __future__ import annotations
@@ -58,6 +62,28 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_tokens: int, shared:
             "tokens": [tokens[key] for row in ids for key in row]}
 
 
+def run_beams(engine: LLMEngine, prompts: list[list[int]], output_tokens: int, share: bool) -> dict:
+    engine.kv_cache_manager.share_forks = share
+    engine.scheduler.num_preemptions = 0
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"b{index}", prompt_token_ids=prompt,
+                           sampling_params=SamplingParams(max_tokens=output_tokens, beam_width=N, n=1))
+    tokens: dict[str, list[int]] = {}
+    peak, prefill, start = 0, 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        step = engine.step()
+        prefill += step.stats.num_prefill_tokens
+        peak = max(peak, engine.num_kv_blocks - 1 - engine.kv_cache_manager.num_free_blocks)
+        for output in step.outputs:
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    seconds = time.perf_counter() - start
+    engine.kv_cache_manager.share_forks = True
+    generated = sum(len(t) for t in tokens.values())
+    return {"seconds": seconds, "tokens_per_second": generated / seconds, "peak_blocks": peak,
+            "prefill_tokens": prefill, "preemptions": engine.scheduler.num_preemptions,
+            "tokens": [tokens[f"b{i}"] for i in range(len(prompts))]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=4)
@@ -66,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--dtype", default="auto", help="the engine's dtype parameter (float32: token-exact checks)")
+    parser.add_argument("--beam", action="store_true", help="beam search: shared forks against copied ones")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     engine = LLMEngine(engine_config_from_model_folder(
@@ -76,21 +103,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.num_prompts} prompts of {args.prompt_tokens} tokens, {N} samples each, {args.output_tokens} output "
           f"tokens; pool {args.num_kv_blocks} blocks of {engine.model_runner.block_size}; dtype {engine.model_runner.dtype}",
           flush=True)
-    results: dict[str, list[dict]] = {"n=4 (shared blocks)": [], "4 separate requests": []}
+    names = (("beam_width=4, shared forks", True), ("beam_width=4, forks copy their blocks", False)) if args.beam else \
+        (("n=4 (shared blocks)", True), ("4 separate requests", False))
+    results: dict[str, list[dict]] = {name: [] for name, _ in names}
     for round_ in range(args.repeat):
-        for name, shared in (("n=4 (shared blocks)", True), ("4 separate requests", False)):
-            result = run(engine, prompts, args.output_tokens, shared)
+        for name, shared in names:
+            result = (run_beams if args.beam else run)(engine, prompts, args.output_tokens, shared)
             results[name].append(result)
             print(f"round {round_ + 1}/{args.repeat} {name}: {result['seconds']:.1f} s, "
                   f"{result['tokens_per_second']:.1f} tok/s, peak {result['peak_blocks']} blocks, "
                   f"{result['preemptions']} preemptions", flush=True)
-    same = all(r["tokens"] == results["4 separate requests"][0]["tokens"] for rows in results.values() for r in rows)
+    baseline_name, shared_name = names[1][0], names[0][0]
+    same = all(r["tokens"] == results[baseline_name][0]["tokens"] for rows in results.values() for r in rows)
     summary = {name: {key: statistics.median(r[key] for r in rows)
                       for key in ("seconds", "tokens_per_second", "peak_blocks", "prefill_tokens", "preemptions")}
                for name, rows in results.items()}
-    shared, separate = summary["n=4 (shared blocks)"], summary["4 separate requests"]
+    shared, separate = summary[shared_name], summary[baseline_name]
+    what = "Beam search, beam_width" if args.beam else "Parallel sampling:"
     lines = [
-        f"Parallel sampling: {args.num_prompts} prompts x {N} samples, {args.prompt_tokens}-token prompts, "
+        f"{what} {args.num_prompts} prompts x {N} {'beams' if args.beam else 'samples'}, {args.prompt_tokens}-token prompts, "
         f"{args.output_tokens} output tokens, prefix caching off, pool {args.num_kv_blocks} blocks "
         f"(engine level, SmolLM2-135M, {engine.model_runner.dtype}; medians of {args.repeat})",
         "",
@@ -99,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         *[f"| {name} | {s['seconds']:.1f} | {s['tokens_per_second']:.1f} | {s['peak_blocks']:.0f} | "
           f"{s['prefill_tokens']:.0f} | {s['preemptions']:.0f} |" for name, s in summary.items()],
         "",
-        f"n=4 / separate: throughput {shared['tokens_per_second'] / separate['tokens_per_second']:.2f}x, "
+        f"{shared_name} / {baseline_name}: throughput {shared['tokens_per_second'] / separate['tokens_per_second']:.2f}x, "
         f"peak KV blocks {shared['peak_blocks'] / separate['peak_blocks']:.2f}x; same tokens: {same}",
         "",
         f"command: python -m perf.parallel_sampling {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),

@@ -47,6 +47,7 @@ class KVCacheManager:
         # engine for copy-on-write of forked sequences (PagedBlockIO.copy).
         self.copy_blocks = None
         self.num_copy_on_write = 0  # blocks copied so far
+        self.share_forks = True  # False: a fork copies every block (a measuring baseline only)
 
     # ----- counters -----------------------------------------------------------------------------
     @property
@@ -188,7 +189,14 @@ class KVCacheManager:
         if child.request_id in self.req_to_blocks:
             raise ValueError(f"request {child.request_id}: already has blocks")
         blocks = list(self.req_to_blocks.get(parent.request_id, ()))
-        self.block_pool.touch(blocks)
+        if self.share_forks:
+            self.block_pool.touch(blocks)
+        else:  # the baseline that sharing is measured against (perf): private copies of every block
+            if len(blocks) > self.block_pool.num_free_blocks:
+                raise RuntimeError(f"fork without sharing needs {len(blocks)} free blocks")
+            copies = self.block_pool.get_new_blocks(len(blocks))
+            self.copy_blocks([b.block_id for b in blocks], [b.block_id for b in copies])
+            blocks = copies
         self.req_to_blocks[child.request_id] = blocks
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
