@@ -55,7 +55,8 @@ def bench(url: str, items, pattern: ArrivalPattern, label: str, timeout: float) 
         completed, duration = run_workload(url, "llm", items, pattern, timeout_s=timeout, progress=progress)
     metrics = compute_metrics([c.record for c in completed], duration).to_dict()
     return {"label": label, "output_tokens_per_s": metrics["output_token_throughput"], "seconds": duration,
-            "errors": metrics["num_errors"], "ttft_ms": metrics["ttft_ms"], "output_tokens": metrics["total_output_tokens"]}
+            "errors": metrics["num_errors"], "ttft_ms": metrics["ttft_ms"], "itl_ms": metrics["itl_ms"],
+            "output_tokens": metrics["total_output_tokens"]}
 
 
 def run_batch(url: str, items, work_dir: Path, concurrency: int, timeout: float, name: str, priority: int = 1) -> dict:
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-concurrency", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2, help="bench/batch pairs, alternating order (default: %(default)s)")
     parser.add_argument("--skip-interactive", action="store_true", help="only the throughput comparison")
+    parser.add_argument("--interactive-only", action="store_true", help="only the interactive-beside-batch part")
+    parser.add_argument("--batch-priorities", default="0,1",
+                        help="priorities of the batch runs beside interactive traffic (default: %(default)s)")
     parser.add_argument("--interactive-rate", type=float, default=0.5, help="interactive requests/s (Poisson)")
     parser.add_argument("--interactive-requests", type=int, default=40)
     parser.add_argument("--tokenizer", default="models/smollm2-135m-instruct")
@@ -108,14 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="batch-bench-") as work, served(_priority_repository(args, Path(work))) as server:
         url, work_dir = server.grpc_url, Path(work)
         run_workload(url, "llm", items[:4], ArrivalPattern("concurrency", 4), timeout_s=args.timeout)  # warm-up
-        for concurrency in (int(c) for c in args.sweep.split(",")):
+        for concurrency in (() if args.interactive_only else (int(c) for c in args.sweep.split(","))):
             row = bench(url, items[: args.sweep_prompts], ArrivalPattern("concurrency", concurrency),
                         f"client.bench concurrency {concurrency} (sweep)", args.timeout)
             report["sweep"].append(dict(row, concurrency=concurrency))
             print(f"sweep: concurrency {concurrency}: {row['output_tokens_per_s']:.1f} tok/s", flush=True)
-        best = max(report["sweep"], key=lambda r: r["output_tokens_per_s"])["concurrency"]
+        best = max(report["sweep"], key=lambda r: r["output_tokens_per_s"])["concurrency"] if report["sweep"] else 0
         ratios = []
-        for repeat in range(args.repeat):  # alternating which goes first: bench, batch, batch, bench, ...
+        for repeat in range(0 if args.interactive_only else args.repeat):  # alternating which goes first: bench, batch, batch, bench, ...
             pair = []
             for system in (("bench", "batch") if repeat % 2 == 0 else ("batch", "bench")):
                 if system == "bench":
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             by_system = {r["label"].startswith("client.batch"): r["output_tokens_per_s"] for r in pair}
             ratios.append(by_system[True] / by_system[False])
             print(f"repeat {repeat + 1}/{args.repeat}: batch/bench throughput {ratios[-1]:.3f}", flush=True)
-        report["batch_over_bench"] = statistics.median(ratios)
+        report["batch_over_bench"] = statistics.median(ratios) if ratios else float("nan")
         report["batch_over_bench_runs"] = ratios
 
         rate = ArrivalPattern("rate", args.interactive_rate)
@@ -144,7 +148,7 @@ def _interactive(report: dict, url: str, items, interactive, rate, work_dir: Pat
     """Interactive traffic alone, then beside a batch run at priority 0 and at priority 1."""
     report["interactive"].append(bench(url, interactive, rate, "interactive alone", args.timeout))
     report["batch_beside"] = []
-    for priority in (0, 1):
+    for priority in (int(p) for p in args.batch_priorities.split(",")):
         beside: dict = {}
         batch_thread = threading.Thread(target=lambda p=priority, b=beside: b.update(
             run_batch(url, items, work_dir, args.batch_concurrency, args.timeout, f"beside{p}", p)))
@@ -161,12 +165,16 @@ def to_markdown(report: dict) -> str:
     for row in report["sweep"] + report["throughput"]:
         lines.append(f"| {row['label']} | {row['output_tokens_per_s']:.1f} | {row['seconds']:.1f} | {row['errors']} |")
     runs = ", ".join(f"{r:.3f}" for r in report.get("batch_over_bench_runs", []))
-    lines += ["", f"client.batch / client.bench at its best concurrency: {report['batch_over_bench']:.3f} "
-              f"(median of the pairs: {runs})", "",
-              "| interactive traffic | TTFT p50 (ms) | TTFT p99 (ms) | errors |", "| --- | --- | --- | --- |"]
+    if runs:
+        lines += ["", f"client.batch / client.bench at its best concurrency: {report['batch_over_bench']:.3f} "
+                  f"(median of the pairs: {runs})"]
+    lines += ["",
+              "| interactive traffic | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | errors |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for row in report["interactive"]:
-        ttft = row["ttft_ms"]
-        lines.append(f"| {row['label']} | {ttft['p50']:.0f} | {ttft['p99']:.0f} | {row['errors']} |")
+        ttft, itl = row["ttft_ms"], row.get("itl_ms") or {"p50": float("nan"), "p99": float("nan")}
+        lines.append(f"| {row['label']} | {ttft['p50']:.0f} | {ttft['p99']:.0f} | {itl['p50']:.0f} | {itl['p99']:.0f} "
+                     f"| {row['errors']} |")
     return "\n".join(lines) + "\n"
 
 
