@@ -205,9 +205,9 @@ class KVCacheManager:
     def _copy_on_write(self, request: Request, req_blocks: list[KVCacheBlock]) -> bool:
         """Before ``request`` appends into a partial block that another request also holds, it
         takes a private copy of it. False (nothing changed) when the pool has no block for that."""
-        index, offset = divmod(request.num_computed_tokens, self.block_size)
-        if offset == 0 or index >= len(req_blocks) or req_blocks[index].ref_cnt <= 1:
+        if not self._needs_copy(request, req_blocks):
             return True
+        index = request.num_computed_tokens // self.block_size
         if self.block_pool.num_free_blocks < 1:
             return False
         if self.copy_blocks is None:
