@@ -69,10 +69,28 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (backend/spec_decode): proposals verified in the step's one forward."""
+
+    speculative_method: str = "none"  # none | ngram (prompt lookup) | draft (a small model, same vocabulary)
+    num_speculative_tokens: int = 3  # the most tokens proposed per request and step
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix matched against the request's tokens
+    prompt_lookup_max: int = 5  # ngram: the longest
+    speculative_model_dir: str = ""  # draft: the draft checkpoint folder
+    speculative_num_kv_blocks: int = 0  # draft: its own KV pool in blocks; 0: as many as the target's
+    speculative_controller: str = "auto"  # auto: speculate only where the cost model predicts a gain; off: always
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method != "none"
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 _CHOICES = {
@@ -82,6 +100,8 @@ _CHOICES = {
     "scheduling_policy": ("fcfs", "priority"),
     "kv_offload_tier": ("none", "host", "disk"),
     "kv_offload_load_policy": ("auto", "always"),
+    "speculative_method": ("none", "ngram", "draft"),
+    "speculative_controller": ("auto", "off"),
 }
 
 # name -> (section, kind, minimum)
@@ -109,6 +129,13 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "scheduling_policy": ("scheduler", "choice", None),
     "max_queue_len": ("scheduler", "int", 0),
     "default_max_tokens": ("scheduler", "int", 1),
+    "speculative_method": ("speculative", "choice", None),
+    "num_speculative_tokens": ("speculative", "int", 1),
+    "prompt_lookup_min": ("speculative", "int", 1),
+    "prompt_lookup_max": ("speculative", "int", 1),
+    "speculative_model_dir": ("speculative", "path", None),
+    "speculative_num_kv_blocks": ("speculative", "int", 0),
+    "speculative_controller": ("speculative", "choice", None),
 }
 
 
@@ -134,8 +161,8 @@ def _parse_value(name: str, kind: str, minimum: int | None, raw: str, base_dir: 
             raise ConfigError(f"parameter '{name}': expected one of {', '.join(_CHOICES[name])}, got {raw!r}")
         return text
     if kind == "path":
-        if not text and name == "kv_offload_dir":
-            return ""  # the default folder
+        if not text and name in ("kv_offload_dir", "speculative_model_dir"):
+            return ""  # the default folder; no draft model
         if not text:
             raise ConfigError(f"parameter '{name}': must not be empty")
         if base_dir is not None and not os.path.isabs(text):
@@ -152,7 +179,7 @@ def parse_engine_config(
     Relative paths resolve against ``base_dir`` (the model's folder). Names in ``extra_names`` are
     accepted and ignored (they belong to the caller). Raises ConfigError naming the parameter.
     """
-    sections: dict[str, dict] = {"model": {}, "cache": {}, "scheduler": {}}
+    sections: dict[str, dict] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}}
     for name, raw in parameters.items():
         if name in extra_names:
             continue
@@ -169,6 +196,7 @@ def parse_engine_config(
         model=ModelConfig(**model),
         cache=CacheConfig(**sections["cache"]),
         scheduler=SchedulerConfig(**sections["scheduler"]),
+        speculative=SpeculativeConfig(**sections["speculative"]),
     )
     validate_engine_config(config)
     return config
@@ -189,10 +217,28 @@ def validate_engine_config(config: EngineConfig) -> None:
             "parameter 'max_num_batched_tokens': must be >= max_model_len "
             f"({model.max_model_len}) when enable_chunked_prefill is false"
         )
+    _validate_speculative(config.speculative)
     if sched.default_max_tokens >= model.max_model_len:
         raise ConfigError(
             f"parameter 'default_max_tokens': must be < max_model_len ({model.max_model_len})"
         )
+
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def _validate_speculative(spec: SpeculativeConfig) -> None:
+    if spec.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"parameter 'num_speculative_tokens': at most {MAX_SPECULATIVE_TOKENS}, "
+                          f"got {spec.num_speculative_tokens}")
+    if spec.prompt_lookup_min > spec.prompt_lookup_max:
+        raise ConfigError(f"parameter 'prompt_lookup_min': must be <= prompt_lookup_max ({spec.prompt_lookup_max}), "
+                          f"got {spec.prompt_lookup_min}")
+    if spec.speculative_method == "draft" and not spec.speculative_model_dir:
+        raise ConfigError("parameter 'speculative_model_dir': required with speculative_method draft")
+    if spec.speculative_method != "draft" and spec.speculative_model_dir:
+        raise ConfigError("parameter 'speculative_model_dir': only used with speculative_method draft "
+                          f"(speculative_method is {spec.speculative_method})")
 
 
 _PBTXT_PARAMETER = re.compile(r'key\s*:\s*"([^"]+)"\s*value\s*:\s*\{\s*string_value\s*:\s*"((?:[^"\\]|\\.)*)"\s*\}')

@@ -45,6 +45,7 @@ from backend.request import FinishReason, Request, RequestStatus, SamplingParams
 from backend.sampler import Sampler, SamplerOutput
 from backend.scheduler import Scheduler
 from backend.sequence_group import SequenceGroup, sequence_request_id
+from backend.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class StepStats:
     num_decode_tokens: int = 0  # one per request decoding its next token
     num_preempted: int = 0  # requests preempted to make room (now waiting again)
     num_sampled: int = 0  # requests that got a token
+    num_spec_tokens: int = 0  # proposed tokens verified in this step (counted in num_decode_tokens)
     timings: dict[str, float] | None = None  # seconds per phase, when step(timings=True)
 
 
@@ -114,6 +116,12 @@ class EngineStats:
     kv_offload_recomputed_blocks: int = 0  # in the tier, recomputed by the cost rule's choice
     kv_offload_dropped_blocks: int = 0  # the write queue was full
     kv_offload_load_seconds: list[float] = field(default_factory=list)  # loads finished since the last stats()
+    # Speculative decoding (backend/spec_decode/speculator.py: SpecDecodeStats), cumulative:
+    spec_decode_num_draft_tokens: int = 0  # proposals verified
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: list[int] = field(default_factory=list)  # [k]: proposal i accepted
+    spec_decode_num_steps: int = 0  # steps with a request that could speculate
+    spec_decode_num_speculated_steps: int = 0  # of those, the steps the controller let speculate
 
 
 @dataclass(slots=True)
@@ -136,7 +144,10 @@ def step_stats(scheduler_output) -> StepStats:
     stats = StepStats(num_seqs=len(scheduler_output.scheduled), num_preempted=len(scheduler_output.preempted))
     for item in scheduler_output.scheduled:
         request = item.request
-        if item.num_new_tokens == 1 and request.num_prompt_tokens <= item.num_computed_tokens:
+        if item.spec_token_ids:  # a decode with proposals to verify
+            stats.num_decode_tokens += item.num_new_tokens
+            stats.num_spec_tokens += len(item.spec_token_ids)
+        elif item.num_new_tokens == 1 and request.num_prompt_tokens <= item.num_computed_tokens:
             stats.num_decode_tokens += 1
         else:
             stats.num_prefill_tokens += item.num_new_tokens
@@ -162,6 +173,24 @@ class _PhaseClock:
 def internal_error_message(exc: BaseException) -> str:
     """What a client is told when generation failed on the server's side (the log has the traceback)."""
     return f"internal error during generation: {type(exc).__name__}: {exc}"
+
+
+def _split_rows(scheduled, rows: list[int]) -> tuple[list[int], list[int], list[tuple[object, int, int]]]:
+    """The runner's rows apart: (scheduled index of each one-row request, their row positions,
+    [(scheduled item, first row, number of rows)] of requests verifying proposals)."""
+    single, positions, verifying = [], [], []
+    position = 0
+    while position < len(rows):
+        index, count = rows[position], 1
+        while position + count < len(rows) and rows[position + count] == index:
+            count += 1
+        if scheduled[index].spec_token_ids:
+            verifying.append((scheduled[index], position, count))
+        else:
+            single.append(index)
+            positions.append(position)
+        position += count
+    return single, positions, verifying
 
 
 def _collect_prompt_logprobs(request: Request, first: int, values: list[float]) -> None:
@@ -197,6 +226,8 @@ class LLMEngine:
         self.kv_cache_manager.copy_blocks = PagedBlockIO(self.model_runner.kv_caches).copy  # copy-on-write
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.model.seed)
+        self.speculator = (Speculator(config, self.model_runner, self.sampler, self.max_model_len)
+                           if config.speculative.enabled else None)
         self.structured_output = self._structured_output_manager()
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, SequenceGroup] = {}  # requests with n > 1, by the client's id
@@ -376,7 +407,18 @@ class LLMEngine:
             kv_shared_blocks=manager.block_pool.num_shared_references,
             **self._grammar_stats(),
             **self._offload_stats(),
+            **self._spec_decode_stats(),
         )
+
+    def _spec_decode_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        stats = self.speculator.snapshot()
+        return {"spec_decode_num_draft_tokens": stats.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+                "spec_decode_accepted_per_position": stats.accepted_per_position,
+                "spec_decode_num_steps": stats.num_steps,
+                "spec_decode_num_speculated_steps": stats.num_speculated_steps}
 
     def _offload_stats(self) -> dict:
         if self.offloader is None:
@@ -416,6 +458,8 @@ class LLMEngine:
         """
         clock = _PhaseClock() if timings else None
         outputs: list[RequestOutput] = self._take_grammar_failures()
+        if self.speculator is not None:
+            self._propose()
         scheduler_output = self.scheduler.schedule()
         scheduled = scheduler_output.scheduled
         stats = step_stats(scheduler_output)
@@ -432,6 +476,8 @@ class LLMEngine:
         self._step_requests = [item.request for item in scheduled]
         forward_start = time.perf_counter()
         logits, rows = self.model_runner.execute(scheduled, stats.timings)
+        if self.speculator is not None:  # the controller's step-time model follows the machine's load
+            self.speculator.observe_step(scheduler_output.num_scheduled_tokens, time.perf_counter() - forward_start)
         if self.offloader is not None:  # the cost rule's prefill rate and step time
             self.offloader.observe_step(stats.num_prefill_tokens + stats.num_decode_tokens, stats.num_prefill_tokens,
                                         time.perf_counter() - forward_start)
@@ -441,7 +487,33 @@ class LLMEngine:
             clock.restart()
         if not rows:
             return StepOutput(outputs, stats)
-        sampling_requests = [scheduled[i].request for i in rows]
+        rows, normal_positions, verifying = _split_rows(scheduled, rows)
+        if verifying:
+            spec_logits = logits
+            logits = logits.index_select(0, torch.tensor(normal_positions, dtype=torch.int64, device=logits.device))
+        if rows:
+            self._sample_step(logits, [scheduled[i].request for i in rows], outputs, stats, clock)
+        if verifying:
+            self._verify_step(spec_logits, verifying, outputs, stats)
+            if clock is not None:
+                clock.lap(stats.timings, "verify")
+        return StepOutput(outputs, stats)
+
+    def _propose(self) -> None:
+        """Proposals for this step; a failing proposer costs only the speculation of this step."""
+        try:
+            self.speculator.propose(self.scheduler.running)
+        except Exception:
+            logger.exception("proposing speculative tokens failed; this step decodes without them")
+            for request in self.scheduler.running:
+                request.spec_token_ids = []
+                request.spec_draft_probs = None
+
+    def _sample_step(self, logits: torch.Tensor, sampling_requests: list[Request], outputs: list[RequestOutput],
+                     stats: StepStats, clock: _PhaseClock | None) -> None:
+        """One token for each row (forks, beams, grammars, the sampler), appended with the stop checks.
+        logits: [len(sampling_requests), vocab_size]."""
+        stats.num_sampled += len(sampling_requests)
         logits = self._fork_samples(logits, sampling_requests)
         if any(r.beam is not None for r in sampling_requests):  # beams are scored, not sampled
             outputs.extend(self._beam_steps(logits, sampling_requests))
@@ -449,14 +521,13 @@ class LLMEngine:
             sampling_requests = [sampling_requests[i] for i in keep]
             logits = logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
             if not sampling_requests:
-                return StepOutput(outputs, stats)
+                return
         if self.structured_output is not None and self.structured_output.apply_masks(logits, sampling_requests):
             if clock is not None:
                 clock.lap(stats.timings, "grammar")  # only in steps with constrained requests
         sampled, errors = self._sample(logits, sampling_requests)
         if clock is not None:
             clock.lap(stats.timings, "sample")
-        stats.num_sampled = len(rows)
         now = time.monotonic()
         for index, request in enumerate(sampling_requests):
             error = errors.get(index)
@@ -470,7 +541,41 @@ class LLMEngine:
             outputs.extend(self.fail_requests([request.request_id], error, kv_suspect=False))
         if clock is not None:
             clock.lap(stats.timings, "detokenize")
-        return StepOutput(outputs, stats)
+
+    def _verify_step(self, logits: torch.Tensor, verifying: list[tuple[object, int, int]],
+                     outputs: list[RequestOutput], stats: StepStats) -> None:
+        """Requests that carried proposals: the verified run of tokens each (backend/spec_decode).
+        logits: [all sampling rows, vocab_size]; verifying: (scheduled item, first row, rows)."""
+        now = time.monotonic()
+        for item, first, count in verifying:
+            request = item.request
+            try:
+                tokens = self.speculator.verify(request, item.spec_token_ids, logits[first : first + count])
+                outputs.append(self._advance_tokens(request, tokens, now))
+                stats.num_sampled += 1
+            except Exception as exc:  # this request alone
+                logger.exception("verifying the proposals of %s failed", request.request_id)
+                outputs.extend(self.fail_requests([request.request_id], internal_error_message(exc), kv_suspect=False))
+
+    def _advance_tokens(self, request: Request, tokens: list[int], now: float) -> RequestOutput:
+        """Appends a verified run of tokens one at a time, each with the stop checks one sampled
+        token gets, so the request ends exactly where it would without speculation; then rolls
+        back the KV of the positions past what was kept (rejected proposals)."""
+        if request.first_token_time is None:
+            request.first_token_time = now
+        detokenizer = request.detokenizer
+        text = ""
+        for count, token_id in enumerate(tokens, start=1):
+            request.append_output_token(token_id)
+            text += detokenizer.update([token_id])
+            reason = self._stop_reason(request, token_id, detokenizer)
+            if reason is not None:
+                status = RequestStatus.FINISHED_LENGTH if reason is FinishReason.LENGTH else RequestStatus.FINISHED_STOPPED
+                self.scheduler.finish_request(request, status, reason)
+                return self._final_output(request, tokens[:count], text)
+        request.num_computed_tokens = request.num_tokens - 1  # the last token's KV comes with the next step
+        self.kv_cache_manager.trim(request, request.num_tokens)
+        return self._output(request, list(tokens), text)
 
     def _fork_samples(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Samples 1..n-1 of each n > 1 request whose prompt this step completed fork from sample 0
@@ -700,6 +805,8 @@ class LLMEngine:
         if request.detokenizer is not None and request.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
             text += request.detokenizer.finish()
         self.requests.pop(request.request_id, None)  # and with it its detokenizer and generator
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
         if request.grammar is not None:
             self.structured_output.release(request)
         output = self._output(request, new_token_ids, text)

@@ -206,7 +206,10 @@ class ModelRunner:
         for i, item in enumerate(scheduled_in_order):
             start, end = int(num_computed[i]), int(seq_lens[i])
             all_ids = item.request.all_token_ids
+            spec = getattr(item, "spec_token_ids", None) or ()
             token_ids.extend(all_ids[start:end])
+            if end > len(all_ids):  # proposed tokens after the known ones (speculative decoding)
+                token_ids.extend(spec[max(0, start - len(all_ids)) : end - len(all_ids)])
             needed = int(blocks_needed[i])
             if len(item.block_ids) < needed:
                 raise ValueError(
@@ -214,9 +217,13 @@ class ModelRunner:
                     f"cannot hold {end} tokens (block_size {bs})"
                 )
             block_tables[i, :needed] = item.block_ids[:needed]
-            if end == len(all_ids):
-                sample_rows.append(int(query_start_loc[i + 1]) - 1)
-                sample_indices.append(order[i])
+            if end == len(all_ids) + len(spec):
+                # From the last known token on, every position is scored: one row, or 1 + k when
+                # k proposed tokens follow it (each row verifies the next proposal).
+                num_rows = min(end - start, 1 + len(spec))
+                last = int(query_start_loc[i + 1])
+                sample_rows.extend(range(last - num_rows, last))
+                sample_indices.extend([order[i]] * num_rows)
 
         self._row_starts = {order[i]: int(query_start_loc[i]) for i in range(num_seqs)}  # for prompt logprobs
         seq_of_token = np.repeat(np.arange(num_seqs), num_new)
@@ -234,7 +241,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledLike],
                 timings: dict[str, float] | None = None) -> tuple[torch.Tensor, list[int]]:
-        """Runs one step. Returns (logits [num_sampling_rows, vocab] float32, indices into ``scheduled``).
+        """Runs one step. Returns (logits [num_sampling_rows, vocab] float32, indices into ``scheduled``
+        per row: a request verifying k proposed tokens has 1 + k consecutive rows).
 
         ``timings``, when given, gets the seconds of its phases: prepare, forward, logits.
         """

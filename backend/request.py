@@ -80,6 +80,7 @@ class SamplingParams:
     beam_width: int = 1  # > 1: beam search (backend/beam_search.py), returning the best n beams
     length_penalty: float = 1.0  # beam search: a hypothesis scores sum logprob / length ** this
     early_stopping: bool | str = False  # beam search: True, False or "never", as transformers
+    num_speculative_tokens: int | None = None  # speculative decoding: at most this many per step; 0: off; None: config's
 
     def validate(self) -> None:
         """Raises SamplingParamsError naming the first bad field.
@@ -124,6 +125,11 @@ class SamplingParams:
         elif self.n > 1 and self.structured_outputs is not None:
             raise SamplingParamsError("n/num_return_sequences: more than one sample of a structured_outputs "
                                       "request is not supported")
+        if self.num_speculative_tokens is not None and (
+                not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 16):
+            raise SamplingParamsError(
+                f"num_speculative_tokens must be an integer in [0, 16] (0 turns speculation off), "
+                f"got {self.num_speculative_tokens!r}")
         if self.prompt_logprobs not in (None, 0):
             raise SamplingParamsError(
                 f"prompt_logprobs: only 0 (each prompt token's own logprob) is supported, got {self.prompt_logprobs}")
@@ -205,6 +211,10 @@ class Request:
     group: object | None = None  # backend.sequence_group.SequenceGroup
     sequence_index: int = 0
     beam: object | None = None  # backend.beam_group.BeamGroup: this request is one running beam of it
+    # Speculative decoding (backend/spec_decode): this step's proposed tokens, verified after the
+    # known ones in the same forward; with a draft model's sampled proposals, their distributions.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: object | None = None  # torch.Tensor [len(spec_token_ids), vocab] or None (point masses)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -39,11 +39,14 @@ class ScheduledRequest:
     num_new_tokens: int
     num_computed_tokens: int  # snapshot BEFORE this step (the request's counter is already advanced)
     block_ids: list[int]  # the whole block table after this step's allocation
+    # Proposed tokens after the known ones (speculative decoding): part of num_new_tokens, their
+    # KV written this step and rolled back by the engine for those the target rejects.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_last_chunk(self) -> bool:
         """True when this step reaches the end of the known tokens: the engine samples then."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens + len(self.spec_token_ids)
 
 
 @dataclass(slots=True)
@@ -222,6 +225,18 @@ class Scheduler:
                 output.preempted.append(request)
                 return
 
+    def _fit_speculation(self, request: Request, num_new_tokens: int, token_budget: int) -> list[int]:
+        """The part of ``request.spec_token_ids`` that this step can verify: the request decodes
+        (one new token), the budget has room after it, and the pool has blocks for them without
+        preempting anyone (allocated here). [] otherwise, and the request decodes as usual."""
+        spec = request.spec_token_ids
+        if not spec or num_new_tokens != 1:
+            return []
+        spec = spec[: max(0, token_budget - 1)]
+        if not spec or self.kv_cache_manager.allocate_slots(request, 1 + len(spec)) is None:
+            return []
+        return spec
+
     # ----- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Picks this step's tokens and allocates their slots; advances ``num_computed_tokens``."""
@@ -240,6 +255,13 @@ class Scheduler:
             request = self.running[req_index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             if num_new_tokens <= 0:  # nothing new (no token was appended since its last step)
+                req_index += 1
+                continue
+            spec = self._fit_speculation(request, num_new_tokens, token_budget)
+            if spec:  # proposed tokens ride along when budget and blocks allow; never worth a preemption
+                scheduled.append(ScheduledRequest(request, num_new_tokens + len(spec), request.num_computed_tokens,
+                                                  kv.get_block_ids(request.request_id), spec))
+                token_budget -= num_new_tokens + len(spec)
                 req_index += 1
                 continue
             while kv.allocate_slots(request, num_new_tokens) is None:

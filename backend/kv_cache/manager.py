@@ -291,6 +291,18 @@ class KVCacheManager:
         request.num_cached_blocks = 0  # its hashes stay: they depend on its tokens alone
         self.block_pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Frees the request's blocks past the first ``num_tokens`` tokens (tail first): the
+        rollback of rejected speculative tokens. Those blocks were never hashed (only blocks full
+        of known tokens are), so nothing enters the prefix cache with a rejected token's KV."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = ceil_div(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (a new list)."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

@@ -76,13 +76,15 @@ SAMPLING_PARAMETER_KEYS = {
     "beam_width": "beam_width",
     "length_penalty": "length_penalty",
     "early_stopping": "early_stopping",
+    "num_speculative_tokens": "num_speculative_tokens",
 }
 # Non-sampling keys that the JSON may carry too (they override the single inputs).
 REQUEST_OPTION_KEYS = ("stream", "exclude_input_in_output")
 # vLLM keys accepted with the one value we implement (clients of Triton's vLLM backend send them).
 FIXED_KEYS = {"best_of": 1, "include_stop_str_in_output": False, "spaces_between_special_tokens": True,
               "use_beam_search": False, "detokenize": True}
-INT_KEYS = frozenset({"max_tokens", "min_tokens", "top_k", "seed", "priority", "n", "beam_width"})
+INT_KEYS = frozenset({"max_tokens", "min_tokens", "top_k", "seed", "priority", "n", "beam_width",
+                      "num_speculative_tokens"})
 BOOL_KEYS = frozenset({"ignore_eos", "skip_special_tokens"})
 RETURN_INPUTS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
                  "return_num_input_tokens", "return_num_output_tokens")
@@ -376,8 +378,8 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
             values[key] = "never" if value == "never" else as_bool(where, value, text_ok=True)
         elif key in BOOL_KEYS:
             values[key] = as_bool(where, value, text_ok=True)
-        elif key == "seed":
-            values["seed"] = None if value is None else _as_int(where, value, text_ok=True)
+        elif key in ("seed", "num_speculative_tokens"):
+            values[key] = None if value is None else _as_int(where, value, text_ok=True)
         elif key == "top_k":
             top_k = _as_int(where, value, text_ok=True)
             values["top_k"] = 0 if top_k == -1 else top_k  # vLLM spells "off" as -1

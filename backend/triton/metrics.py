@@ -129,6 +129,21 @@ class TritonMetrics:
         }
         _, self.offload_load = make("llm_kv_offload_load_seconds",
                                     "Loading one request's blocks from the KV offload tier", H, OFFLOAD_LOAD_BUCKETS)
+        _, self.spec_draft = make("llm_spec_decode_num_draft_tokens_total", "Speculative tokens proposed and verified", C)
+        _, self.spec_accepted = make("llm_spec_decode_num_accepted_tokens_total",
+                                     "Speculative tokens the target model accepted", C)
+        self._spec_position_family = family(name="llm_spec_decode_num_accepted_tokens_per_pos_total",
+                                            description="Speculative tokens accepted, by position in the proposal (0 first)",
+                                            kind=C)
+        self._families.append(self._spec_position_family)
+        self._spec_labels = labels
+        self.spec_accepted_per_position = []  # made when the first stats say how many positions there are
+        _, self.spec_steps = make("llm_spec_decode_num_steps_total",
+                                  "Engine steps with a request that could speculate", C)
+        _, self.spec_speculated_steps = make("llm_spec_decode_num_speculated_steps_total",
+                                             "Of those steps, the ones the speculation controller let speculate", C)
+        _, self.spec_speculated_fraction = make("llm_spec_decode_speculated_step_fraction",
+                                                "Speculated steps / steps that could speculate, since start", G)
         self._last_stats: EngineStats | None = None
 
     def update_engine_stats(self, stats: EngineStats) -> None:
@@ -170,8 +185,31 @@ class TritonMetrics:
                 metric.increment(now - before)
         for seconds in stats.kv_offload_load_seconds:
             self.offload_load.observe(seconds)
+        self._update_spec_decode(stats, last)
         self._last_stats = stats
+
+    def _update_spec_decode(self, stats: EngineStats, last: EngineStats | None) -> None:
+        if not stats.spec_decode_num_steps:
+            return
+        for metric, name in ((self.spec_draft, "spec_decode_num_draft_tokens"),
+                             (self.spec_accepted, "spec_decode_num_accepted_tokens"),
+                             (self.spec_steps, "spec_decode_num_steps"),
+                             (self.spec_speculated_steps, "spec_decode_num_speculated_steps")):
+            now, before = getattr(stats, name), getattr(last, name) if last is not None else 0
+            if now > before:
+                metric.increment(now - before)
+        while len(self.spec_accepted_per_position) < len(stats.spec_decode_accepted_per_position):
+            position = len(self.spec_accepted_per_position)
+            self.spec_accepted_per_position.append(
+                self._spec_position_family.Metric(labels=dict(self._spec_labels, position=str(position))))
+        before_positions = last.spec_decode_accepted_per_position if last is not None else []
+        for position, now in enumerate(stats.spec_decode_accepted_per_position):
+            before = before_positions[position] if position < len(before_positions) else 0
+            if now > before:
+                self.spec_accepted_per_position[position].increment(now - before)
+        self.spec_speculated_fraction.set(stats.spec_decode_num_speculated_steps / stats.spec_decode_num_steps)
 
     def close(self) -> None:
         self.success.clear()
+        self.spec_accepted_per_position.clear()
         self._families.clear()

@@ -1,0 +1,184 @@
+"""Proposals from a draft model: a small checkpoint with the target's vocabulary, run k times per
+step on its own paged KV cache (with its own prefix cache) inside the engine's step.
+
+Each proposing request has a shadow ``Request`` here that shares the target request's token list,
+so the draft's KV manager sees the very tokens the target keeps; the draft's KV covers a prefix
+of them (``num_computed_tokens``). Round 1 feeds the tokens the draft has not seen yet (the
+whole prompt the first time, then usually the last one or two tokens) and samples proposal 1;
+round r feeds proposal r - 1 as a speculative token (backend/model_runner.py reads
+``spec_token_ids``) and samples proposal r. All proposing requests run together in each round.
+Proposals are greedy (the draft's argmax) for greedy requests and drawn from the draft's processed
+distribution (the request's temperature, top-k, top-p, min-p) for sampled ones, which keeps those
+distributions for rejection sampling.
+
+After the target verified them, only the draft KV of accepted proposals stays valid: the next
+call compares what it proposed with what the target appended (``_sync``) and rolls its KV back to
+the common prefix (blocks past it are freed; none of them were hashed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from backend.config import CacheConfig, ConfigError, EngineConfig
+from backend.kv_cache.manager import KVCacheManager
+from backend.model_runner import ModelRunner
+from backend.request import Request, SamplingParams
+from backend.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+DRAFT_SEED_OFFSET = 0x5DEECE66D  # a seeded request's draft generator: seed + this (its own stream)
+
+
+@dataclasses.dataclass(slots=True)
+class DraftSequence:
+    shadow: Request  # shares the target request's all_token_ids list
+    proposed_at: int = 0  # num_tokens when the last proposals were made
+    proposed: list[int] = dataclasses.field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+class DraftModelProposer:
+    """Runs the draft model for the proposing requests of a step."""
+
+    def __init__(self, config: EngineConfig, target: ModelRunner, runner: ModelRunner | None = None) -> None:
+        spec = config.speculative
+        if runner is None:
+            model = dataclasses.replace(config.model, model_dir=spec.speculative_model_dir,
+                                        tokenizer_dir=spec.speculative_model_dir,
+                                        dtype=_dtype_name(target.dtype), device=target.device.type)
+            num_blocks = spec.speculative_num_kv_blocks or target.num_kv_blocks
+            cache = CacheConfig(block_size=target.block_size, num_kv_blocks=num_blocks)
+            try:
+                runner = ModelRunner.load(model, cache, config.scheduler.max_num_seqs)
+            except ConfigError as exc:
+                raise ConfigError(str(exc).replace("'model_dir'", "'speculative_model_dir'")) from None
+        if runner.vocab_size != target.vocab_size:
+            raise ConfigError(f"parameter 'speculative_model_dir': the draft's vocabulary has {runner.vocab_size} "
+                              f"tokens, the target's {target.vocab_size}; they must be the same")
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.kv = KVCacheManager(runner.num_kv_blocks, runner.block_size, enable_caching=True)
+        self.sequences: dict[str, DraftSequence] = {}
+        self._generator = torch.Generator(device=runner.device)
+        self._generator.manual_seed(config.model.seed + DRAFT_SEED_OFFSET)
+        self.num_forwards = 0
+
+    # ----------------------------------------------------------------------------- bookkeeping
+    def release(self, request_id: str) -> None:
+        sequence = self.sequences.pop(request_id, None)
+        if sequence is not None:
+            self.kv.free(sequence.shadow)
+
+    def keep_only(self, request_ids) -> None:
+        for request_id in [r for r in self.sequences if r not in request_ids]:
+            self.release(request_id)
+
+    @property
+    def usage(self) -> float:
+        return self.kv.usage
+
+    def _sequence(self, request: Request) -> DraftSequence:
+        sequence = self.sequences.get(request.request_id)
+        if sequence is None:
+            shadow = Request(request.request_id, [], SamplingParams(max_tokens=1))
+            shadow.all_token_ids = request.all_token_ids  # the same list: the draft sees every new token
+            sequence = self.sequences[request.request_id] = DraftSequence(shadow)
+            if request.sampling_params.seed is not None:
+                sequence.generator = torch.Generator(device=self.runner.device)
+                sequence.generator.manual_seed((request.sampling_params.seed + DRAFT_SEED_OFFSET) % 2**64)
+        self._sync(sequence)
+        return sequence
+
+    def _sync(self, sequence: DraftSequence) -> None:
+        """Rolls the draft's KV back to the tokens it shares with the target: its KV past the known
+        tokens holds proposals, valid only where the target appended those same tokens."""
+        shadow = sequence.shadow
+        tokens = shadow.all_token_ids
+        valid = min(shadow.num_computed_tokens, len(tokens) - 1)  # the last known token is fed again
+        start = sequence.proposed_at
+        if shadow.num_computed_tokens > start:
+            agree = 0
+            for offset, proposed in enumerate(sequence.proposed):
+                if start + offset >= len(tokens) or tokens[start + offset] != proposed:
+                    break
+                agree += 1
+            valid = min(valid, start + agree)
+        if valid < shadow.num_computed_tokens:
+            shadow.num_computed_tokens = valid
+            self.kv.trim(shadow, valid)
+        sequence.proposed = []
+
+    # ----------------------------------------------------------------------------- proposing
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], k: int) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        """{request id: (up to k proposals, their draft distributions [n, vocab] or None when greedy)}."""
+        from backend.scheduler import ScheduledRequest  # noqa: PLC0415  (the scheduler imports the engine's config)
+
+        active = []
+        for request in requests:
+            sequence = self._sequence(request)
+            shadow = sequence.shadow
+            if shadow.num_computed_tokens == 0 and not self.kv.req_to_blocks.get(shadow.request_id):
+                blocks, hit = self.kv.get_computed_blocks(shadow)
+            else:
+                blocks, hit = [], 0
+            num_new = len(shadow.all_token_ids) - shadow.num_computed_tokens - hit
+            if self.kv.allocate_slots(shadow, num_new, blocks) is None:
+                continue  # the draft pool is full: this request does not speculate this step
+            shadow.num_computed_tokens += hit
+            sequence.proposed_at = len(shadow.all_token_ids)
+            active.append((request, sequence, num_new))
+        results: dict[str, tuple[list[int], list[torch.Tensor] | None]] = {}
+        for round_index in range(k):
+            if not active:
+                break
+            scheduled = []
+            for _request, sequence, num_new in active:
+                shadow = sequence.shadow
+                scheduled.append(ScheduledRequest(shadow, num_new, shadow.num_computed_tokens,
+                                                  self.kv.get_block_ids(shadow.request_id), list(sequence.proposed)))
+            logits, rows = self.runner.execute(scheduled)  # one row per request, in the runner's order
+            self.num_forwards += 1
+            tokens, probs = self._choose(logits, [active[i][0] for i in rows], [active[i][1] for i in rows])
+            still = []
+            for row, index in enumerate(rows):
+                request, sequence, num_new = active[index]
+                token, prob = tokens[row], probs[row]
+                sequence.shadow.num_computed_tokens += num_new
+                sequence.proposed.append(token)
+                entry = results.setdefault(request.request_id, ([], [] if prob is not None else None))
+                entry[0].append(token)
+                if prob is not None:
+                    entry[1].append(prob)
+                if round_index + 1 < k and self.kv.allocate_slots(sequence.shadow, 1) is not None:
+                    still.append((request, sequence, 1))
+            active = still
+        return {rid: (tokens, torch.stack(probs) if probs is not None else None)
+                for rid, (tokens, probs) in results.items()}
+
+    def _choose(self, logits: torch.Tensor, requests: list[Request],
+                sequences: list[DraftSequence]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Greedy rows: the argmax. Sampled rows: a draw from the processed draft distribution."""
+        tokens = logits.argmax(dim=-1).tolist()
+        probs: list[torch.Tensor | None] = [None] * len(requests)
+        sampled = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if sampled:
+            rows = logits.index_select(0, torch.tensor(sampled, device=logits.device)).float()
+            processed = Sampler._process_random(rows, [requests[i] for i in sampled])
+            dist = torch.softmax(processed, dim=-1)  # [num_sampled, vocab]
+            for j, i in enumerate(sampled):
+                generator = sequences[i].generator or self._generator
+                noise = torch.empty(dist.shape[1], dtype=torch.float32, device=dist.device).uniform_(generator=generator)
+                race = noise.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
+                tokens[i] = int((dist[j] / race).argmax())
+                probs[i] = dist[j]
+        return tokens, probs
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]

@@ -1,0 +1,180 @@
+"""Speculative decoding against none, on the real default model (issue 17).
+
+One run, the systems side by side in one process (engine level: the decode work speculation
+changes, without Triton's constant per-response cost), each request stream closed-loop at a fixed
+concurrency, systems alternating within each concurrency:
+
+- ``copy``: chat prompts asking SmolLM2-135M-Instruct to repeat, or lightly edit, a passage of
+  several hundred tokens (slices of data/demo_corpus.txt: Python documentation and code), greedy,
+  ending at the model's own EOS or max_tokens; at concurrency 1, 4 and 16.
+- ``mixed``: random-token prompts of 64-512 tokens and 64-128 output tokens (ignore_eos), at
+  concurrency 32: a load where the compute slack speculation lives on is gone.
+
+Systems: speculation off; prompt lookup (``ngram``) with the controller (``auto``) and without it
+(``off``: always propose); a draft model (a 6-layer truncation of the target itself, built by
+backend/spec_decode/truncated_draft.py: the only draft with the target's vocabulary that can be
+made here) with and without the controller. Per system: ITL p50 (per request, (last token -
+first token) / (tokens - 1), then the median over requests), output tokens/s (all output tokens /
+wall time), the acceptance rate (accepted / proposed), and the fraction of steps the controller let
+speculate. Greedy outputs are compared with speculation off and the number of differing requests
+printed (bfloat16: a verification forward of 1 + k rows may round differently from a one-row
+decode, which can flip a near-tie; float32 runs are token-equal in the tests).
+
+    python -m perf.spec_decode [--requests 8] [--concurrency 1,4,16] [--mixed-requests 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from backend.config import engine_config_from_model_folder
+from backend.engine import LLMEngine
+from backend.request import SamplingParams
+from backend.spec_decode.truncated_draft import build as build_draft
+from perf.served import DEFAULT_MODEL_REPOSITORY, RESULTS_DIR, write_report
+from perf.workload import random_workload
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TARGET = REPO_ROOT / "models" / "smollm2-135m-instruct"
+DRAFT = REPO_ROOT / "models" / "smollm2-135m-draft6"
+DRAFT_LAYERS = 6
+SYSTEMS = {
+    "off": {},
+    "ngram": {"speculative_method": "ngram"},
+    "ngram-always": {"speculative_method": "ngram", "speculative_controller": "off"},
+    "draft": {"speculative_method": "draft", "speculative_model_dir": str(DRAFT)},
+    "draft-always": {"speculative_method": "draft", "speculative_model_dir": str(DRAFT), "speculative_controller": "off"},
+}
+INSTRUCTIONS = (
+    "Repeat the following text exactly, with no comment:",
+    "Copy this text word for word:",
+    "Rewrite the following text, changing only 'default' to 'standard' wherever it appears:",
+    "Repeat this passage exactly as written:",
+)
+
+
+def copy_prompts(engine: LLMEngine, count: int, passage_chars: int, rng: random.Random) -> list[list[int]]:
+    corpus = (REPO_ROOT / "data" / "demo_corpus.txt").read_text(encoding="utf-8")
+    prompts = []
+    for index in range(count):
+        start = rng.randrange(0, len(corpus) - passage_chars)
+        start = corpus.find("\n", start) + 1  # whole lines
+        passage = corpus[start : start + passage_chars].rsplit("\n", 1)[0]
+        text = engine.render_chat([{"role": "user", "content": f"{INSTRUCTIONS[index % len(INSTRUCTIONS)]}\n\n{passage}"}])
+        prompts.append(engine.tokenize(text, add_special_tokens=False))
+    return prompts
+
+
+def run_closed_loop(engine: LLMEngine, work: list[tuple[list[int], SamplingParams]], concurrency: int,
+                    label: str) -> dict:
+    """Every request of ``work`` with ``concurrency`` in flight; per-request token times."""
+    pending = list(enumerate(work))
+    pending.reverse()
+    times: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
+    in_flight = 0
+    before = engine.stats()
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            index, (prompt, params) = pending.pop()
+            request_id = f"{label}-{index}"
+            engine.add_request(request_id, prompt_token_ids=prompt, sampling_params=params)
+            times[request_id], tokens[request_id] = [], []
+            in_flight += 1
+        outputs = engine.step().outputs
+        now = time.perf_counter()
+        for output in outputs:
+            times[output.request_id].extend([now] * len(output.new_token_ids))
+            tokens[output.request_id].extend(output.new_token_ids)
+            if output.finished:
+                in_flight -= 1
+    wall = time.perf_counter() - start
+    after = engine.stats()
+    itl = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
+    proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    steps = after.spec_decode_num_steps - before.spec_decode_num_steps
+    speculated = after.spec_decode_num_speculated_steps - before.spec_decode_num_speculated_steps
+    total = sum(len(t) for t in tokens.values())
+    return {"itl_p50_ms": statistics.median(itl) * 1000, "tokens_per_second": total / wall, "wall_s": wall,
+            "output_tokens": total, "proposed": proposed, "accepted": accepted,
+            "acceptance": accepted / proposed if proposed else None,
+            "speculated_fraction": speculated / steps if steps else None,
+            "tokens": [tokens[f"{label}-{i}"] for i in range(len(work))]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=8, help="copy requests per concurrency level (at least it)")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--passage-chars", type=int, default=1200)
+    parser.add_argument("--mixed-requests", type=int, default=64)
+    parser.add_argument("--mixed-concurrency", type=int, default=32)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",")]
+    if any("draft" in s for s in systems):
+        build_draft(TARGET, DRAFT_LAYERS, DRAFT)
+    folder = str(DEFAULT_MODEL_REPOSITORY / "llm")
+    engines = {}
+    for system in systems:
+        started = time.perf_counter()
+        engines[system] = LLMEngine(engine_config_from_model_folder(folder, **SYSTEMS[system]))
+        print(f"{system}: engine ready in {time.perf_counter() - started:.1f} s", flush=True)
+    first = next(iter(engines.values()))
+    rng = random.Random(17)
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    rows, document = [], {"model": str(TARGET), "dtype": str(first.model_runner.dtype), "draft": f"{DRAFT_LAYERS} layers"}
+    scenarios = [("copy", c, [(p, SamplingParams(max_tokens=args.max_tokens))
+                              for p in copy_prompts(first, max(args.requests, c), args.passage_chars, rng)])
+                 for c in levels]
+    mixed = random_workload(rng, args.mixed_requests, 49000, (64, 512), (64, 128))
+    scenarios.append(("mixed", args.mixed_concurrency,
+                      [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in mixed]))
+    for workload, concurrency, work in scenarios:
+        for engine in engines.values():  # warm-up: a request each (and the draft's first forwards)
+            engine.generate([work[0][0][:64]], [SamplingParams(max_tokens=4)])
+        results = {}
+        order = systems if len(rows) % 2 == 0 else list(reversed(systems))
+        for system in order:
+            results[system] = run_closed_loop(engines[system], work, concurrency, f"{workload}{concurrency}-{system}")
+            r = results[system]
+            acceptance = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+            print(f"{workload} c={concurrency} {system}: ITL p50 {r['itl_p50_ms']:.1f} ms, "
+                  f"{r['tokens_per_second']:.1f} tok/s, acceptance {acceptance}", flush=True)
+        base = results.get("off")
+        for system in systems:
+            r = results[system]
+            differ = sum(a != b for a, b in zip(r["tokens"], base["tokens"], strict=True)) if base else 0
+            rows.append((workload, concurrency, system, r, base, differ))
+        document[f"{workload}-{concurrency}"] = {s: {k: v for k, v in r.items() if k != "tokens"}
+                                                 for s, r in results.items()}
+    lines = ["| workload | concurrency | system | ITL p50 ms | ITL off / system | output tok/s | tok/s vs off | "
+             "acceptance | steps speculated | requests differing from off |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for workload, concurrency, system, r, base, differ in rows:
+        acceptance = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        fraction = f"{r['speculated_fraction']:.2f}" if r["speculated_fraction"] is not None else "-"
+        speedup = f"{base['itl_p50_ms'] / r['itl_p50_ms']:.2f}x" if base else "-"
+        ratio = f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}x" if base else "-"
+        lines.append(f"| {workload} | {concurrency} | {system} | {r['itl_p50_ms']:.1f} | {speedup} | "
+                     f"{r['tokens_per_second']:.1f} | {ratio} | {acceptance} | {fraction} | {differ} |")
+    markdown = "\n".join([
+        f"Speculative decoding (engine level, SmolLM2-135M-Instruct {first.model_runner.dtype}, "
+        f"k = {first.config.speculative.num_speculative_tokens}; draft: the target's first {DRAFT_LAYERS} layers)",
+        "", *lines, ""])
+    out = Path(args.out_dir) if args.out_dir else RESULTS_DIR / "spec_decode"
+    write_report(out, "spec_decode", document, markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
