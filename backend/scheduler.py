@@ -225,15 +225,21 @@ class Scheduler:
                 output.preempted.append(request)
                 return
 
-    def _fit_speculation(self, request: Request, num_new_tokens: int, token_budget: int) -> list[int]:
+    def _fit_speculation(self, request: Request, num_new_tokens: int, token_budget: int, num_after: int) -> list[int]:
         """The part of ``request.spec_token_ids`` that this step can verify: the request decodes
-        (one new token), the budget has room after it, and the pool has blocks for them without
-        preempting anyone (allocated here). [] otherwise, and the request decodes as usual."""
+        (one new token), the budget has room after it, and the pool has blocks for them while
+        keeping a block for each of the ``num_after`` running requests still to schedule, so
+        speculation never causes a preemption (allocated here). [] otherwise: the request decodes
+        as usual."""
         spec = request.spec_token_ids
         if not spec or num_new_tokens != 1:
             return []
         spec = spec[: max(0, token_budget - 1)]
-        if not spec or self.kv_cache_manager.allocate_slots(request, 1 + len(spec)) is None:
+        kv = self.kv_cache_manager
+        if not spec or kv.allocate_slots(request, 1 + len(spec)) is None:
+            return []
+        if kv.num_free_blocks < num_after:
+            kv.trim(request, request.num_computed_tokens + 1)  # give the proposals' blocks back
             return []
         return spec
 
@@ -257,7 +263,7 @@ class Scheduler:
             if num_new_tokens <= 0:  # nothing new (no token was appended since its last step)
                 req_index += 1
                 continue
-            spec = self._fit_speculation(request, num_new_tokens, token_budget)
+            spec = self._fit_speculation(request, num_new_tokens, token_budget, len(self.running) - req_index - 1)
             if spec:  # proposed tokens ride along when budget and blocks allow; never worth a preemption
                 scheduled.append(ScheduledRequest(request, num_new_tokens + len(spec), request.num_computed_tokens,
                                                   kv.get_block_ids(request.request_id), spec))

@@ -15,7 +15,9 @@ weighted: the workload changes). ``step_time`` interpolates step times measured 
 grid of token counts, scaled by how far the recent steps ran from that prediction (the machine is
 shared). Prompt lookup's rates keep being measured while it does not speculate: its proposals are
 checked against the tokens the target then produced (shadow verification, free). A draft model's
-proposals cost a forward each, so when it is off it is tried again every ``EXPLORE_EVERY`` steps.
+proposals cost a forward each, so when it is off it is tried again after ``EXPLORE_EVERY`` steps,
+on one request (``exploring``), and after each try that does not change the verdict the wait
+doubles (up to ``MAX_EXPLORE_EVERY``): a drafter that never pays costs almost nothing.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ logger = logging.getLogger(__name__)
 CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # step sizes timed at start-up
 ACCEPTANCE_DECAY = 0.995  # per verified proposal position: about the last 200 count
 PRIOR_ACCEPTANCE = 0.5  # before anything is measured (its weight: PRIOR_WEIGHT observations)
-PRIOR_WEIGHT = 4.0
+PRIOR_WEIGHT = 2.0
 SCALE_DECAY = 0.9  # the online correction of the start-up step times
-EXPLORE_EVERY = 32  # steps between tries of a draft model the controller turned off
+EXPLORE_EVERY = 32  # steps before a draft model the controller turned off is tried again
+MAX_EXPLORE_EVERY = 2048
 
 
 class StepTimeModel:
@@ -104,18 +107,24 @@ class SpeculationController:
         self.acceptance = AcceptanceStats(max_k)
         self.num_steps = 0  # steps with a request that could speculate
         self.num_speculated_steps = 0
+        self.exploring = False  # this step's k = 1 is a try of a drafter the model turned off
         self._since_speculated = 0
+        self._explore_every = EXPLORE_EVERY
 
     def choose(self, proposal_lengths: Sequence[int], other_tokens: int, other_decodes: int) -> int:
         """k for this step. proposal_lengths: the most each proposing request could propose;
         other_tokens / other_decodes: the step's remaining tokens and how many of them are decodes."""
         self.num_steps += 1
+        self.exploring = False
         if self.mode == "off" or self.step_time is None:
             k = self.max_k
         else:
             k = self._best_k(proposal_lengths, other_tokens, other_decodes)
-            if k == 0 and self.explores and self._since_speculated >= EXPLORE_EVERY:
-                k = 1
+            if k:
+                self._explore_every = EXPLORE_EVERY  # the model wants it again: back to trying often
+            elif self.explores and self._since_speculated >= self._explore_every:
+                k, self.exploring = 1, True
+                self._explore_every = min(2 * self._explore_every, MAX_EXPLORE_EVERY)
         if k:
             self.num_speculated_steps += 1
             self._since_speculated = 0

@@ -78,6 +78,11 @@ class DraftModelProposer:
         for request_id in [r for r in self.sequences if r not in request_ids]:
             self.release(request_id)
 
+    def lag(self, request: Request) -> int:
+        """Tokens of ``request`` the draft has not computed (its whole history when it has none)."""
+        sequence = self.sequences.get(request.request_id)
+        return request.num_tokens - (sequence.shadow.num_computed_tokens if sequence is not None else 0)
+
     @property
     def usage(self) -> float:
         return self.kv.usage

@@ -166,6 +166,8 @@ class Speculator:
         k = self.controller.choose([limits[r.request_id] for r in candidates], other_tokens, other_decodes)
         if not k:
             return
+        if self.controller.exploring:  # a try: the one request the draft is closest to (the least to catch up)
+            candidates = [min(candidates, key=self.draft.lag)]
         proposals = self.draft.propose(candidates, min(k, max(limits[r.request_id] for r in candidates)))
         for request in candidates:
             entry = proposals.get(request.request_id)

@@ -197,3 +197,10 @@ def test_the_controller_stops_where_the_batch_fills_the_machine_or_acceptance_is
     assert _controller(0.05, FLAT).choose([4], 0, 0) == 0
     assert _controller(0.05, FLAT, mode="off").choose([4], 0, 0) == 4
     assert busy.num_steps == 1 and busy.num_speculated_steps == 0
+
+
+def test_a_drafter_turned_off_is_tried_on_one_request_ever_more_rarely():
+    controller = SpeculationController(3, "auto", LINEAR, proposal_time=lambda b, k: 1.0, explores=True)
+    tries = [step for step in range(2000) if controller.choose([3] * 8, 0, 0) and controller.exploring]
+    assert tries[:2] == [32, 32 + 1 + 64]  # waits of 32, then 64, ...
+    assert len(tries) <= 7 and controller.num_speculated_steps == len(tries)
