@@ -20,7 +20,10 @@ speculate. Greedy outputs are compared with speculation off and the number of di
 printed (bfloat16: a verification forward of 1 + k rows may round differently from a one-row
 decode, which can flip a near-tie; float32 runs are token-equal in the tests).
 
-    python -m perf.spec_decode [--requests 8] [--concurrency 1,4,16] [--mixed-requests 64]
+``--repeat R`` runs every system R times per workload (the order reversed each time) and reports
+medians (this machine is shared: one run can be 10% off). Writes spec_decode.md/.json/.png.
+
+    python -m perf.spec_decode [--requests 8] [--concurrency 1,4,16] [--mixed-requests 64] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from backend.config import engine_config_from_model_folder
 from backend.engine import LLMEngine
 from backend.request import SamplingParams
 from backend.spec_decode.truncated_draft import build as build_draft
+from client.bench.report import MISSING_MATPLOTLIB, save_figure
 from perf.served import DEFAULT_MODEL_REPOSITORY, RESULTS_DIR, write_report
 from perf.workload import random_workload
 
@@ -109,6 +113,46 @@ def run_closed_loop(engine: LLMEngine, work: list[tuple[list[int], SamplingParam
             "tokens": [tokens[f"{label}-{i}"] for i in range(len(work))]}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The median ITL p50 and tok/s of a system's runs; counts summed; its first run's tokens."""
+    proposed, accepted = sum(r["proposed"] for r in runs), sum(r["accepted"] for r in runs)
+    fractions = [r["speculated_fraction"] for r in runs if r["speculated_fraction"] is not None]
+    return {"itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in runs),
+            "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
+            "runs_itl_p50_ms": [r["itl_p50_ms"] for r in runs],
+            "runs_tokens_per_second": [r["tokens_per_second"] for r in runs],
+            "proposed": proposed, "accepted": accepted, "acceptance": accepted / proposed if proposed else None,
+            "speculated_fraction": statistics.median(fractions) if fractions else None,
+            "tokens": runs[0]["tokens"]}
+
+
+def write_plot(rows: list, path: Path) -> str:
+    """ITL p50 and output tok/s against speculation off, per workload and concurrency (bars per system)."""
+    try:
+        import matplotlib  # noqa: PLC0415  (optional: the perf extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return MISSING_MATPLOTLIB
+    scenarios = list(dict.fromkeys(f"{w} c={c}" for w, c, *_ in rows))
+    systems = list(dict.fromkeys(s for _, _, s, *_ in rows))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    width = 0.8 / len(systems)
+    for index, system in enumerate(systems):
+        picked = [(f"{w} c={c}", r, base) for w, c, s, r, base, _ in rows if s == system]
+        xs = [scenarios.index(name) + index * width for name, _, _ in picked]
+        left.bar(xs, [base["itl_p50_ms"] / r["itl_p50_ms"] for _, r, base in picked], width, label=system)
+        right.bar(xs, [r["tokens_per_second"] / base["tokens_per_second"] for _, r, base in picked], width, label=system)
+    for axis, title in ((left, "ITL p50: off / system (higher is better)"),
+                        (right, "output tok/s: system / off (higher is better)")):
+        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(scenarios))], scenarios)
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_title(title)
+    left.legend(fontsize=8)
+    return save_figure(figure, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=8, help="copy requests per concurrency level (at least it)")
@@ -118,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-requests", type=int, default=64)
     parser.add_argument("--mixed-concurrency", type=int, default=32)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",")]
@@ -142,14 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     for workload, concurrency, work in scenarios:
         for engine in engines.values():  # warm-up: a request each (and the draft's first forwards)
             engine.generate([work[0][0][:64]], [SamplingParams(max_tokens=4)])
-        results = {}
-        order = systems if len(rows) % 2 == 0 else list(reversed(systems))
-        for system in order:
-            results[system] = run_closed_loop(engines[system], work, concurrency, f"{workload}{concurrency}-{system}")
-            r = results[system]
-            acceptance = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
-            print(f"{workload} c={concurrency} {system}: ITL p50 {r['itl_p50_ms']:.1f} ms, "
-                  f"{r['tokens_per_second']:.1f} tok/s, acceptance {acceptance}", flush=True)
+        runs: dict[str, list[dict]] = {system: [] for system in systems}
+        for repeat in range(args.repeat):
+            order = systems if (len(rows) // len(systems) + repeat) % 2 == 0 else list(reversed(systems))
+            for system in order:
+                r = run_closed_loop(engines[system], work, concurrency, f"{workload}{concurrency}-{system}-{repeat}")
+                runs[system].append(r)
+                acceptance = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+                print(f"{workload} c={concurrency} {system} [run {repeat + 1}/{args.repeat}]: ITL p50 "
+                      f"{r['itl_p50_ms']:.1f} ms, {r['tokens_per_second']:.1f} tok/s, acceptance {acceptance}", flush=True)
+        results = {system: median_run(r) for system, r in runs.items()}
         base = results.get("off")
         for system in systems:
             r = results[system]
@@ -169,10 +216,12 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['tokens_per_second']:.1f} | {ratio} | {acceptance} | {fraction} | {differ} |")
     markdown = "\n".join([
         f"Speculative decoding (engine level, SmolLM2-135M-Instruct {first.model_runner.dtype}, "
-        f"k = {first.config.speculative.num_speculative_tokens}; draft: the target's first {DRAFT_LAYERS} layers)",
+        f"k = {first.config.speculative.num_speculative_tokens}; draft: the target's first {DRAFT_LAYERS} layers; "
+        f"medians of {args.repeat} run(s) per system)",
         "", *lines, ""])
     out = Path(args.out_dir) if args.out_dir else RESULTS_DIR / "spec_decode"
     write_report(out, "spec_decode", document, markdown)
+    print(write_plot(rows, out / "spec_decode.png"))
     return 0
 
 
