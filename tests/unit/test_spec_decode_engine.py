@@ -151,13 +151,16 @@ def test_stops_inside_an_accepted_run_end_where_decoding_without_speculation_doe
     stop_text = plain.tokenizer.decode(full.output_token_ids[8:10])
     cases = [SamplingParams(max_tokens=7, ignore_eos=True), SamplingParams(max_tokens=13, ignore_eos=True),
              SamplingParams(max_tokens=30, stop_token_ids=[stop_token]),
-             SamplingParams(max_tokens=30, stop=[stop_text.strip() or stop_text])]
+             SamplingParams(max_tokens=30, stop=[stop_text.strip() or stop_text]),
+             # min_tokens masks the stop token until 12 outputs (no speculation before), then it may stop
+             SamplingParams(max_tokens=30, min_tokens=12, stop_token_ids=[stop_token, full.output_token_ids[14]])]
     for params in cases:
         want = plain.generate([prompt], [params])[0]
         got = llm.generate([prompt], [params])[0]
         assert (got.output_token_ids, got.text, got.finish_reason) == (want.output_token_ids, want.text,
                                                                       want.finish_reason), params
         assert len(got.output_token_ids) < 30
+        assert_pools_empty(llm)  # after every request
     assert llm.stats().spec_decode_accepted_per_position[4] > 0
     assert_pools_empty(llm)
 

@@ -1,7 +1,7 @@
 """Speculative decoding on the real default model, SmolLM2-135M-Instruct in float32 (issue 17).
 
 Chat prompts that ask the model to repeat or edit a passage (what prompt lookup is for): with
-prompt lookup and with a draft (the model's first 6 layers), k = 3 and 5, greedy output equals
+prompt lookup and with a draft (the model's first 6 layers), k = 1, 3 and 5, greedy output equals
 decoding without speculation, token for token, batched. A difference is excused only as a
 near-tie: at the first differing position the reference's own top-2 logprob gap is below 1e-4
 (a verification forward of 1 + k rows may round differently from a one-row decode). The copy
@@ -64,7 +64,7 @@ def top2_gap(llm: LLMEngine, tokens: list[int]) -> float:
     return top[0][1] - top[1][1]
 
 
-@pytest.mark.parametrize("k", [3, 5])
+@pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_greedy_output_with_speculation_equals_without_on_smollm2(reference, real_model_dir, method, k):
     plain, prompts, results = reference
