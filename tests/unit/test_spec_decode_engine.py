@@ -142,6 +142,15 @@ def test_preemption_prefix_hits_and_chunked_prefill_keep_the_tokens(demo_model_d
     assert_pools_empty(llm)
 
 
+def _stopping_after_min_tokens(plain: LLMEngine, prompt: list[int], stop_token: int) -> SamplingParams:
+    """min_tokens 12 masks the stop ids (and there is no speculation) until 12 outputs; then a
+    second stop id, one that first appears after those 12, ends the request inside a run."""
+    masked = plain.generate([prompt], [SamplingParams(max_tokens=30, min_tokens=12, stop_token_ids=[stop_token])])[0]
+    tokens = masked.output_token_ids
+    later = next(t for i, t in enumerate(tokens) if i >= 14 and t not in tokens[:i])
+    return SamplingParams(max_tokens=30, min_tokens=12, stop_token_ids=[stop_token, later])
+
+
 def test_stops_inside_an_accepted_run_end_where_decoding_without_speculation_does(demo_model_dir):
     plain = engine()
     llm = speculating("draft", 5, demo_model_dir)  # every proposal accepted: six tokens a step
@@ -152,8 +161,7 @@ def test_stops_inside_an_accepted_run_end_where_decoding_without_speculation_doe
     cases = [SamplingParams(max_tokens=7, ignore_eos=True), SamplingParams(max_tokens=13, ignore_eos=True),
              SamplingParams(max_tokens=30, stop_token_ids=[stop_token]),
              SamplingParams(max_tokens=30, stop=[stop_text.strip() or stop_text]),
-             # min_tokens masks the stop token until 12 outputs (no speculation before), then it may stop
-             SamplingParams(max_tokens=30, min_tokens=12, stop_token_ids=[stop_token, full.output_token_ids[14]])]
+             _stopping_after_min_tokens(plain, prompt, stop_token)]
     for params in cases:
         want = plain.generate([prompt], [params])[0]
         got = llm.generate([prompt], [params])[0]
