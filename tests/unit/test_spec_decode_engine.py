@@ -241,3 +241,28 @@ def test_configuration_errors_name_the_parameter(demo_model_dir):
         engine(speculative_method="draft", speculative_model_dir=str(other_vocabulary))
     with pytest.raises(ConfigError, match="speculative_model_dir"):
         engine(speculative_method="draft", speculative_model_dir="/nonexistent/draft")
+
+
+def test_rejected_positions_leave_no_blocks_and_no_hashes_behind(baseline):
+    """After every step: a running request holds the blocks of its computed tokens, at most those
+    of its known ones (none for rejected proposals), and
+    only blocks full of kept tokens carry a prefix-cache hash (the request's own chain), also when
+    proposals ran into the next block and were rejected there (k = 5, every third proposal wrong)."""
+    llm = speculating("ngram", 5)
+    with_oracle(llm, PROMPTS, baseline[: len(PROMPTS)])
+    for index, prompt in enumerate(PROMPTS):
+        llm.add_request(f"r{index}", prompt_token_ids=prompt, sampling_params=PARAMS)
+    manager, size = llm.kv_cache_manager, llm.kv_cache_manager.block_size
+    crossed = 0
+    while llm.has_unfinished_requests():
+        step = llm.step()
+        crossed += sum(1 for o in step.outputs if len(o.new_token_ids) > 1)
+        for request in llm.scheduler.running:
+            blocks = manager.req_to_blocks[request.request_id]
+            assert -(-request.num_computed_tokens // size) <= len(blocks) <= -(-request.num_tokens // size)
+            for i, block in enumerate(blocks):
+                if block.block_hash is not None:
+                    assert (i + 1) * size <= request.num_computed_tokens
+                    assert block.block_hash == request.block_hashes[i]
+    assert crossed > 0 and llm.stats().spec_decode_num_accepted_tokens < llm.stats().spec_decode_num_draft_tokens
+    assert manager.usage == 0.0
