@@ -48,8 +48,16 @@ def test_genai_perf_profile_runs_as_typed(triton_server, tmp_path):
         "--output-tokens-mean", "4", "--artifact-dir", str(tmp_path / "artifacts"),
         "--", "--measurement-mode", "count_windows", "--measurement-request-count", "4", "-s", "999", "-r", "3",
     ]
-    done = subprocess.run(command, env={**BARE_ENV, "HOME": str(tmp_path)}, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for attempt in range(2):
+        done = subprocess.run(command, env={**BARE_ENV, "HOME": str(tmp_path)}, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+        output = done.stdout + done.stderr
+        # perf_analyzer now and then leaves an empty profile export here (exit 0; seen in CI, cause
+        # unknown, as perf/run_perf_analyzer.py says); genai-perf then fails parsing it: once, run again.
+        if done.returncode == 0 or attempt or "Failed to parse JSON string: ''" not in output:
+            break
+        print("genai-perf: perf_analyzer left an empty profile export; running it once more")
+        shutil.rmtree(tmp_path / "artifacts", ignore_errors=True)
+    assert done.returncode == 0, output[-3000:]
     (report,) = (tmp_path / "artifacts").rglob("profile_export_genai_perf.json")
     assert json.loads(report.read_text())["request_throughput"]["avg"] > 0

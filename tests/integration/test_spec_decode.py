@@ -9,6 +9,7 @@ speculation, a request may turn speculation off, and the llm_spec_decode_* metri
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -23,6 +24,20 @@ pytestmark = pytest.mark.integration
 
 SPECULATION = {"speculative_method": "draft", "num_speculative_tokens": "3", "speculative_controller": "off"}
 PROMPTS = ["The engine streams tokens", "A block of the cache holds", "Speculation proposes, the target verifies"]
+
+
+def settled(server, name: str, model: str) -> float:
+    """The metric once it stopped moving: engine stats reach Triton's endpoint a little after the
+    responses they belong to."""
+    value = metric(read_metrics(server), name, model=model)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        again = metric(read_metrics(server), name, model=model)
+        if again == value:
+            return value
+        value = again
+    return value
 
 
 @pytest.mark.parametrize("model", ["llm", "llm_iterative"])
@@ -41,12 +56,12 @@ def test_speculative_decoding_streams_the_same_text_in_multi_token_deltas(make_s
         want = offline.generate([PROMPTS[0]], [SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop])])[0]
         got = client.generate(PROMPTS[0], max_tokens=24, ignore_eos=True, stream=True, timeout=120, stop_words=[stop])
         assert (got.text, got.finish_reason) == (want.text, "stop")
-        before = metric(read_metrics(server), "llm_spec_decode_num_draft_tokens_total", model=model)
+        before = settled(server, "llm_spec_decode_num_draft_tokens_total", model)
         off = client.generate(PROMPTS[1], max_tokens=24, ignore_eos=True, stream=True, timeout=120,
                               sampling_parameters=json.dumps({"num_speculative_tokens": 0}))
         assert off.text == expected[1].text and off.num_responses == len(off.token_ids)
+    drafts = settled(server, "llm_spec_decode_num_draft_tokens_total", model)
     values = read_metrics(server)
-    drafts = metric(values, "llm_spec_decode_num_draft_tokens_total", model=model)
     assert drafts == before > 0  # the request that turned it off proposed nothing
     assert metric(values, "llm_spec_decode_num_accepted_tokens_total", model=model) == drafts  # its own draft
     assert metric(values, "llm_spec_decode_num_accepted_tokens_per_pos_total", model=model, position="2") > 0
