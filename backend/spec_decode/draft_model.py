@@ -28,6 +28,7 @@ from backend.kv_cache.manager import KVCacheManager
 from backend.model_runner import ModelRunner
 from backend.request import Request, SamplingParams
 from backend.sampler import Sampler
+from backend.spec_decode.verification import race
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +178,7 @@ class DraftModelProposer:
             processed = Sampler._process_random(rows, [requests[i] for i in sampled])
             dist = torch.softmax(processed, dim=-1)  # [num_sampled, vocab]
             for j, i in enumerate(sampled):
-                generator = sequences[i].generator or self._generator
-                noise = torch.empty(dist.shape[1], dtype=torch.float32, device=dist.device).uniform_(generator=generator)
-                race = noise.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
-                tokens[i] = int((dist[j] / race).argmax())
+                tokens[i] = race(dist[j], sequences[i].generator or self._generator)
                 probs[i] = dist[j]
         return tokens, probs
 

@@ -55,7 +55,7 @@ def rejection_sample(
     uniforms = torch.rand(k, generator=generator, device=device, dtype=torch.float32) if k else None
     noise = torch.empty(target_probs.shape[1], dtype=torch.float32, device=device)
     noise.uniform_(generator=generator)
-    race = noise.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()  # Exponential(1), > 0
+    exponential = noise.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()  # Exponential(1), > 0
     if k:
         index = torch.arange(k, device=device)
         chosen = torch.tensor(proposals, dtype=torch.long, device=device)
@@ -76,13 +76,13 @@ def rejection_sample(
             residual[proposed] = 0.0
         if float(residual.sum()) <= 0.0:  # p == q (rounding): any draw from p is exact
             residual = target_probs[i]
-        tokens.append(int((residual / race).argmax()))
+        tokens.append(int((residual / exponential).argmax()))
         return tokens, i
-    tokens.append(int((target_probs[k] / race).argmax()))
+    tokens.append(int((target_probs[k] / exponential).argmax()))
     return tokens, k
 
 
-def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+def race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """argmax(probs / -log U) with one vocabulary-sized U: a draw from probs [vocab]."""
     noise = torch.empty(probs.shape[0], dtype=torch.float32, device=probs.device).uniform_(generator=generator)
     return int((probs / noise.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()).argmax())
@@ -96,9 +96,9 @@ def verify_seeded(
     """(tokens to append, proposals accepted): one race per emitted token, in position order."""
     tokens: list[int] = []
     for i, proposed in enumerate(proposals):
-        token = _race(target_probs[i], generator)
+        token = race(target_probs[i], generator)
         tokens.append(token)
         if token != proposed:
             return tokens, i
-    tokens.append(_race(target_probs[len(proposals)], generator))
+    tokens.append(race(target_probs[len(proposals)], generator))
     return tokens, len(proposals)

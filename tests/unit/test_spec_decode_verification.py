@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from backend.spec_decode.controller import AcceptanceStats, SpeculationController, StepTimeModel
 from backend.spec_decode.ngram import NgramProposer, TokenHistory, propose_by_lookup
-from backend.spec_decode.verification import _race, rejection_sample, verify_greedy, verify_seeded
+from backend.spec_decode.verification import race, rejection_sample, verify_greedy, verify_seeded
 
 SIGNIFICANCE = 0.001  # a correct sampler fails one of these tests once in a thousand seeds; the seeds are fixed
 TRIALS = 40_000
@@ -133,7 +133,7 @@ def test_seeded_verification_emits_what_one_token_at_a_time_would():
     """The races of verify_seeded are the sampler's: one vocabulary-sized draw per emitted token."""
     target = torch.stack([P0, P1, P2, P0])
     one_by_one_generator = torch.Generator().manual_seed(99)
-    expected = [_race(target[i], one_by_one_generator) for i in range(4)]
+    expected = [race(target[i], one_by_one_generator) for i in range(4)]
     generator = torch.Generator().manual_seed(99)
     tokens, accepted = verify_seeded(target, expected[:3], generator)
     assert tokens == expected and accepted == 3
@@ -141,7 +141,7 @@ def test_seeded_verification_emits_what_one_token_at_a_time_would():
     wrong = (expected[1] + 1) % 6
     tokens, accepted = verify_seeded(target, [expected[0], wrong, expected[2]], generator)
     assert tokens == expected[:2] and accepted == 1
-    assert _race(target[2], generator) == expected[2]  # the generator is where one-by-one sampling leaves it
+    assert race(target[2], generator) == expected[2]  # the generator is where one-by-one sampling leaves it
 
 
 def test_seeded_verification_is_an_exact_sampler():
