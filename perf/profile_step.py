@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # aten/mkldnn operator name fragments -> category (first match wins)
 CATEGORIES = (
     ("linear", ("linear", "addmm", "aten::mm", "matmul", "mkldnn", "onednn")),
-    ("attention", ("cpu_paged_decode", "scaled_dot_product", "bmm", "softmax", "baddbmm", "index_select", "gather", "index_put",
+    ("attention", ("cpu_paged_decode", "cpu_paged_prefill", "scaled_dot_product", "bmm", "softmax", "baddbmm", "index_select", "gather", "index_put",
                    "masked_fill", "repeat_interleave")),
     ("norm", ("rsqrt", "pow", "mean", "rms_norm")),
     ("activation", ("silu", "gelu")),  # cpu_fused_silu_mul too
@@ -41,7 +41,8 @@ CATEGORIES = (
 
 
 # Our own kernels, profiled through torch.profiler.record_function around their ctypes call.
-OWN_KERNELS = ("cpu_paged_decode", "cpu_fused_rms_norm", "cpu_fused_silu_mul")
+OWN_KERNELS = ("cpu_paged_decode", "cpu_paged_prefill", "cpu_fused_rms_norm", "cpu_fused_silu_mul",
+               "cpu_fused_rope_cache")
 
 
 def category(op_name: str) -> str:

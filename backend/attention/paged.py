@@ -89,24 +89,40 @@ class PagedAttentionBackend:
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
         metadata: AttentionMetadata,
         scale: float,
+        cache_written: bool = False,  # the caller already wrote key/value into their slots
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         self.check_cache(query, key_cache, value_cache)
         plan = self._get_plan(metadata, key_cache.shape[1], query.dtype)
-        self.write_cache(key, value, key_cache, value_cache, metadata, plan.backend)
+        if not cache_written:
+            self.write_cache(key, value, key_cache, value_cache, metadata, plan.backend)
         if query.shape[0] == 0:
             return torch.empty_like(query)
         num_decodes = metadata.num_decodes
-        if not plan.prefills:
+        if metadata.decode_only:
             return self.decode(query, key_cache, value_cache, metadata, plan.backend, scale)
         output = torch.empty_like(query)
         if num_decodes:
             output[:num_decodes] = self.decode(query[:num_decodes], key_cache, value_cache, metadata, plan.backend,
                                                scale)
+        self.prefill(query, key, value, key_cache, value_cache, plan, scale, output)
+        return output
+
+    def prefill(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], this step written
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        plan: StepPlan,
+        scale: float,
+        output: torch.Tensor,  # [num_tokens, num_heads, head_size]: the prefill rows are written
+    ) -> None:
+        """Attention of every prefill chunk (the rows after the decodes): one SDPA call per sequence."""
         group = query.shape[1] // key_cache.shape[2]
         for seq in plan.prefills:
             output[seq.query_start : seq.query_end] = prefill_attention(
                 query, key, value, key_cache, value_cache, seq, group, scale)
-        return output
 
     def check_cache(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         """Raises ValueError when the caches do not fit this backend (the kernels have demands)."""
@@ -115,14 +131,19 @@ class PagedAttentionBackend:
         plan = self._plan
         if plan is not None and plan.metadata is metadata and plan.dtype == dtype and plan.block_size == block_size:
             return plan
+        plan = StepPlan(metadata, dtype, block_size, self.plan_prefills(metadata, block_size, dtype),
+                        self.plan_step(metadata, block_size, dtype))
+        self._plan = plan
+        return plan
+
+    def plan_prefills(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[PrefillSeq]:
+        """Per prefill sequence, what ``prefill`` needs (masks, context block ids), built once a step."""
         prefills = []
         start = metadata.num_decodes  # one query row per decode, and they come first
         for i in range(metadata.num_decodes, metadata.num_seqs):
             prefills.append(plan_prefill(metadata, i, start, block_size, dtype))
             start += metadata.query_lens_list[i]
-        plan = StepPlan(metadata, dtype, block_size, prefills, self.plan_step(metadata, block_size, dtype))
-        self._plan = plan
-        return plan
+        return prefills
 
 
 def plan_prefill(metadata: AttentionMetadata, i: int, start: int, block_size: int,

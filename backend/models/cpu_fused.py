@@ -1,16 +1,18 @@
-"""Fused residual add + RMSNorm and SiLU x up on the CPU (backend/attention/cpu_kernel/fused_ops.cpp).
+"""Fused residual add + RMSNorm, SiLU x up, and rotary embedding + KV-cache write on the CPU
+(backend/attention/cpu_kernel/fused_ops.cpp).
 
-torch runs RMSNorm as pow, mean, add, rsqrt, mul, cast, mul (bfloat16: two casts more) and the
-MLP's activation as silu then mul, each a pass over memory with a temporary; the kernels do one
-pass per row, with transformers' rounding order (so bfloat16 gives torch's values). The model
-uses them once ``LlamaForCausalLM.use_cpu_kernels`` hands it the loaded kernels; anything they do
-not take (another dtype, a non-contiguous tensor, another device) goes through torch as before.
+torch runs RMSNorm as pow, mean, add, rsqrt, mul, cast, mul (bfloat16: two casts more), the MLP's
+activation as silu then mul, and the rotary embedding as an index_select, four multiplies, a sum,
+a difference and a cat before two index_copy_ calls write the cache: about 30 Python dispatches a
+layer, each a pass over memory with a temporary, and most on one core because a decode step's
+tensors are below torch's parallel grain. The kernels do one vectorized pass per row over both
+cores, with transformers' rounding order (so bfloat16 gives torch's values). The model uses them
+once ``LlamaForCausalLM.use_cpu_kernels`` hands it the loaded kernels; anything they do not take
+(another dtype, a non-contiguous tensor, another device) goes through torch as before.
 
-Off unless ``LLM_CPU_FUSED_OPS=1``: measured on SmolLM2 bf16 (perf.profile_step, batch 32 decode)
-they took 3.4 ms (RMSNorm) + 2.5 ms (SiLU x up) per step against about 7.3 ms for all of torch's
-norm, activation and elementwise ops together, of which they replace only part, and perf.compare
-saw no end-to-end gain (1.03x without them, noise). torch's ops are vectorized (bfloat16
-conversion included); these loops are not, so fusing passes does not pay here.
+On by default with the CPU kernels; ``LLM_CPU_FUSED_OPS=0`` turns them off (to measure them). The
+first, scalar version (session 5) measured slower than torch's vectorized ops and stayed opt-in;
+this one is vectorized (AVX-512 or AVX2, bfloat16 rounding included): see perf/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import os
 
 import torch
 
+from backend.attention.cpu_kernel.profiling import kernel_label
+
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def fused_ops_enabled() -> bool:
-    return os.environ.get("LLM_CPU_FUSED_OPS", "0").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get("LLM_CPU_FUSED_OPS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -42,7 +46,7 @@ def rms_norm(
 ) -> torch.Tensor:  # [num_tokens, hidden_size]
     out = torch.empty_like(x)
     rows, hidden = x.shape
-    with torch.profiler.record_function("cpu_fused_rms_norm"):
+    with kernel_label("cpu_fused_rms_norm"):
         kernels.fused_rms_norm(KERNEL_DTYPES[x.dtype], x.data_ptr(), 0 if residual is None else residual.data_ptr(),
                                weight.data_ptr(), out.data_ptr(), rows, hidden, eps)
     return out
@@ -54,6 +58,29 @@ def silu_mul(
 ) -> torch.Tensor:  # [num_tokens, intermediate_size]
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, width), dtype=gate_up.dtype)
-    with torch.profiler.record_function("cpu_fused_silu_mul"):
+    with kernel_label("cpu_fused_silu_mul"):
         kernels.fused_silu_mul(KERNEL_DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, width)
     return out
+
+
+def rope_cache(
+    kernels,
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_size]: q | k | v
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_position, head_size]: cos half | sin half, qkv's dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1: not written
+    num_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # q [num_tokens, num_heads, head_size], k [num_tokens, num_kv_heads, head_size]
+    """Rotates q and k (rotate-half RoPE at ``positions``) and writes k and v into their cache slots."""
+    num_tokens = qkv.shape[0]
+    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    q = torch.empty((num_tokens, num_heads, head_size), dtype=qkv.dtype)
+    k = torch.empty((num_tokens, num_kv_heads, head_size), dtype=qkv.dtype)
+    with kernel_label("cpu_fused_rope_cache"):
+        kernels.fused_rope_cache(KERNEL_DTYPES[qkv.dtype], qkv.data_ptr(), positions.data_ptr(),
+                                 cos_sin_cache.data_ptr(), q.data_ptr(), k.data_ptr(), key_cache.data_ptr(),
+                                 value_cache.data_ptr(), slot_mapping.data_ptr(), num_tokens, num_heads, num_kv_heads,
+                                 head_size)
+    return q, k

@@ -61,6 +61,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
         self.attn_backend = attn_backend
+        self.kernels = None  # the CPU kernels (backend/models/cpu_fused.py), set by use_cpu_kernels
 
     def forward(
         self,
@@ -72,10 +73,18 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_size)
+        if self.kernels is not None and cpu_fused.takes(qkv, rotary.cos_sin_cache, *kv_cache) \
+                and positions.dtype == torch.int64:
+            # rotary embedding and the cache write in one pass (the backend then skips its write)
+            q, k = cpu_fused.rope_cache(self.kernels, qkv, positions, rotary.cos_sin_cache, kv_cache[0], kv_cache[1],
+                                        metadata.slot_mapping, self.num_heads)
+            out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale,
+                                            cache_written=True)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_size)
         qk = rotary(positions, qk)  # q and k heads rotated in one go
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_size)
         out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -183,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def use_cpu_kernels(self, kernels) -> int:
-        """Runs every RMSNorm and SiLU x up through the fused CPU kernels; returns how many modules."""
-        modules = [m for m in self.modules() if isinstance(m, (RMSNorm, LlamaMLP))]
+        """Runs every RMSNorm, SiLU x up and rotary embedding + cache write through the fused CPU
+        kernels; returns how many modules."""
+        modules = [m for m in self.modules() if isinstance(m, (RMSNorm, LlamaMLP, LlamaAttention))]
         for module in modules:
             module.kernels = kernels
         return len(modules)

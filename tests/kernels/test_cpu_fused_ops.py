@@ -1,16 +1,19 @@
-"""The fused CPU RMSNorm (with and without the residual add) and SiLU x up against the torch ops
-the model runs otherwise (backend/models/llama.py with no kernels): float32 within 1e-5 relative
-(summation order and a 2e-7 exp), bfloat16 identical except where one float32 ulp flips a
-rounding (under 1% of elements; at most 2 bfloat16 ulps, since RMSNorm rounds twice: the normed
-row, then its product with the weight)."""
+"""The fused CPU RMSNorm (with and without the residual add), SiLU x up, and rotary embedding +
+KV-cache write against the torch ops the model runs otherwise (backend/models/llama.py with no
+kernels): float32 within 1e-5 relative (summation order and a 2e-7 exp), bfloat16 identical except
+where one float32 ulp flips a rounding (under 1% of elements; at most 2 bfloat16 ulps, since
+RMSNorm rounds twice: the normed row, then its product with the weight). The rotary kernel does
+the same products and sums as torch, each rounded alike, so it must match exactly in both dtypes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from backend.attention.base import AttentionMetadata
 from backend.models import cpu_fused
 from backend.models.llama import LlamaMLP, RMSNorm
+from backend.models.rope import RotaryEmbedding
 
 
 @pytest.fixture()
@@ -86,3 +89,60 @@ def test_what_the_kernels_do_not_take_goes_through_torch(kernels):
     assert norm(x).dtype == torch.float16  # fell back to torch's ops
     strided = torch.randn(3, 64)[:, ::2]
     assert not cpu_fused.takes(strided)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_size", [64, 128, 36])  # 36: a half of 18 leaves a remainder for the plain loop
+def test_rope_and_cache_write_equal_torchs_rotary_and_index_copy(kernels, dtype, head_size):
+    num_heads, num_kv_heads, block_size, num_blocks = 9, 3, 16, 6
+    g = torch.Generator().manual_seed(head_size)
+    rotary = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, head_size, dtype, torch.device("cpu"),
+                             initial_len=512)
+    num_tokens = 7
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=g) * 2).to(dtype)
+    positions = torch.tensor([0, 1, 5, 100, 300, 511, 17], dtype=torch.int64)
+    slots = torch.tensor([3, 20, -1, 33, 60, 95, 16], dtype=torch.int64)  # -1: this token is not written
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache, value_cache = torch.full(cache_shape, 5.0, dtype=dtype), torch.full(cache_shape, 5.0, dtype=dtype)
+
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    qk = qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_size)
+    want_qk = rotary(positions, qk)  # the model's torch path
+    want_q, want_k = want_qk[:, :num_heads], want_qk[:, num_heads:]
+    want_v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_size)
+    want_key_cache, want_value_cache = key_cache.clone(), value_cache.clone()
+    written = slots >= 0
+    want_key_cache.view(-1, num_kv_heads, head_size)[slots[written]] = want_k[written]
+    want_value_cache.view(-1, num_kv_heads, head_size)[slots[written]] = want_v[written]
+
+    q, k = cpu_fused.rope_cache(kernels, qkv, positions, rotary.cos_sin_cache, key_cache, value_cache, slots,
+                                num_heads)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(key_cache, want_key_cache) and torch.equal(value_cache, want_value_cache)
+
+
+def test_the_attention_layer_with_the_rope_kernel_equals_the_torch_path(kernels):
+    """LlamaAttention with kernels set: rotary + cache write fused, the backend told the cache is
+    written; same output and same cache as the torch path."""
+    from backend.attention.torch_backend import TorchAttentionBackend
+    from backend.models.llama import LlamaAttention
+
+    class Config:
+        hidden_size, num_attention_heads, num_key_value_heads, head_dim = 64, 4, 2, 16
+        num_hidden_layers, intermediate_size, vocab_size = 1, 128, 100
+
+    torch.manual_seed(0)
+    layer = LlamaAttention(Config, TorchAttentionBackend("cpu"), qkv_bias=False, o_bias=False)
+    for linear in (layer.qkv_proj, layer.o_proj):
+        torch.nn.init.normal_(linear.weight, std=0.2)
+    rotary = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, 16, torch.float32, torch.device("cpu"))
+    hidden, positions = torch.randn(5, 64), torch.tensor([0, 1, 2, 0, 1], dtype=torch.int64)
+    metadata = AttentionMetadata.build(torch.tensor([8, 9, 10, 4, 5], dtype=torch.int64),
+                                       torch.tensor([[2], [1]], dtype=torch.int32), [3, 2], [3, 2])
+    results = []
+    for kernels_set in (None, kernels):
+        layer.kernels = kernels_set
+        caches = (torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 2, 16))
+        results.append((layer(hidden, rotary, positions, caches, metadata), caches))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(results[1][1][0], results[0][1][0]) and torch.equal(results[1][1][1], results[0][1][1])

@@ -1,6 +1,9 @@
-"""Builds (once) and loads the CPU kernels: paged decode attention (``paged_decode.cpp``), the
-fused RMSNorm and SiLU x up (``fused_ops.cpp``) and structured output's token mask
-(``token_bitmask.cpp``), one shared library.
+"""Builds (once) and loads the CPU kernels: paged decode and prefill attention (``paged_decode.cpp``,
+``paged_prefill.cpp``), the fused RMSNorm, SiLU x up and rotary embedding + cache write
+(``fused_ops.cpp``) and structured output's token mask (``token_bitmask.cpp``), one shared library.
+Built with ``-march=native`` (the library is built where it runs: AVX-512 and AVX512_BF16 paths
+where the CPU has them, AVX2 otherwise) and ``-ffp-contract=off`` (float32 products that torch
+rounds separately are not fused behind our back; the kernels ask for FMAs explicitly).
 
 Why a plain shared library through ctypes rather than torch's cpp_extension: it compiles in about
 a second with g++ (cpp_extension's torch headers take most of a minute on 2 cores), and it needs
@@ -30,10 +33,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "paged_decode.cpp", HERE / "fused_ops.cpp", HERE / "token_bitmask.cpp"]
+SOURCES = [HERE / "paged_decode.cpp", HERE / "paged_prefill.cpp", HERE / "fused_ops.cpp", HERE / "token_bitmask.cpp"]
 HEADERS = [HERE / "simd.h"]
 REPO_ROOT = Path(__file__).resolve().parents[3]
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 LIBRARY_NAME = "libllm_cpu_kernels.so"
 
 
@@ -90,7 +93,8 @@ def build_library() -> Path:
 
 
 class CpuKernels:
-    """The loaded library: ``paged_decode``, ``fused_rms_norm``, ``fused_silu_mul``, ``apply_token_bitmask`` (ctypes functions)
+    """The loaded library: ``paged_decode``, ``fused_rms_norm``, ``fused_silu_mul``, ``fused_rope_cache``,
+    ``apply_token_bitmask`` (ctypes functions)
     and the shape limits paged_decode was compiled with."""
 
     def __init__(self, path: Path):
@@ -108,9 +112,16 @@ class CpuKernels:
         self.paged_decode = self._function("paged_decode", [integer, pointer, pointer, pointer, pointer, pointer,
                                                             pointer, integer, integer, integer, integer, integer,
                                                             integer, real])
+        self.prefill_available = bool(self.library.paged_prefill_available())
+        self.paged_prefill = self._function("paged_prefill", [integer, pointer, pointer, pointer, pointer, pointer,
+                                                              pointer, pointer, integer, integer, integer, integer,
+                                                              integer, integer, integer, real])
         self.fused_rms_norm = self._function("fused_rms_norm", [integer, pointer, pointer, pointer, pointer, size,
                                                                 size, real])
         self.fused_silu_mul = self._function("fused_silu_mul", [integer, pointer, pointer, size, size])
+        self.fused_rope_cache = self._function("fused_rope_cache", [integer, pointer, pointer, pointer, pointer,
+                                                                    pointer, pointer, pointer, pointer, size, integer,
+                                                                    integer, integer])
         self.apply_token_bitmask = self._function("apply_token_bitmask", [pointer, size, pointer, size, pointer,
                                                                           size, size])
 
