@@ -67,6 +67,15 @@ def test_other_block_sizes(kernel, block_size):
     decode_and_compare(kernel, [1, 31, 64, 95], (9, 3), 64, torch.float32, block_size=block_size, seed=block_size)
 
 
+@pytest.mark.parametrize("block_size", [1, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_small_blocks_filling_whole_partitions(kernel, block_size, dtype):
+    """Contexts over the kernel's 512-token partitions with blocks narrower than a vector: the last
+    block of a full partition writes a whole vector of scores, which must not land in the next
+    head's row (it did, before the score rows were padded)."""
+    decode_and_compare(kernel, [1100, 600, 513, 512], (9, 3), 64, dtype, block_size=block_size, seed=block_size)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_backend_equals_the_torch_backend_on_a_mixed_step(kernel, dtype):
     """A whole forward (cache write, decodes through the kernel, a prefill chunk over a cached

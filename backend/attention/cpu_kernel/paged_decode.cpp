@@ -293,7 +293,8 @@ void decode_vec(const T* query, const T* key_cache, const T* value_cache, const 
   const int64_t block_stride = static_cast<int64_t>(block_size) * token_stride;
   const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(T));
   const int part_blocks = kPartitionTokens > block_size ? kPartitionTokens / block_size : 1;
-  const int probs_stride = (part_blocks * block_size + 15) / 16 * 16;  // a partition's scores, padded to 16
+  // A partition's scores, padded to 16, plus 16: a block's last chunk of keys may write a whole vector.
+  const int probs_stride = (part_blocks * block_size + 15) / 16 * 16 + 16;
 #ifdef LLM_CPU_AVX512_BF16
   const bool bf16_dots = sizeof(T) == 2 && head_size % 32 == 0;
 #endif

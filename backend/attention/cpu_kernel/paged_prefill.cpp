@@ -40,31 +40,6 @@ using namespace llm_cpu;
 constexpr int kKeyTile = 16;
 constexpr int kQueryTile = 16;
 
-// 16x16 transpose of 32-bit words: rows[i] holds row i; afterwards rows[j] holds column j.
-inline void transpose16(__m512i* rows) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    rows[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    rows[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    rows[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    rows[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8) {
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = _mm512_shuffle_i32x4(rows[i + j], rows[i + j + 4], 0x88);
-      t[i + j + 4] = _mm512_shuffle_i32x4(rows[i + j], rows[i + j + 4], 0xDD);
-    }
-  }
-  for (int j = 0; j < 8; ++j) {
-    rows[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    rows[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD);
-  }
-}
-
 // Where key `j` of the tile starting at `k0` lives, for one KV head.
 template <typename T>
 struct KeyRows {
