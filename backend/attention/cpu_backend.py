@@ -53,7 +53,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def takes_prefill(self, query: torch.Tensor) -> bool:
         """Whether the prefill kernel serves this dtype and head size on this build."""
-        return self.kernel.prefill_available and query.dtype in KERNEL_DTYPES and query.shape[-1] % 16 == 0
+        head_size = query.shape[-1]
+        return (self.kernel.prefill_available and query.dtype in KERNEL_DTYPES and head_size % 16 == 0
+                and head_size <= self.kernel.max_head_size)
 
     def plan_prefills(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype):
         if self.kernel.prefill_available and dtype in KERNEL_DTYPES:

@@ -39,6 +39,7 @@ using namespace llm_cpu;
 
 constexpr int kKeyTile = 16;
 constexpr int kQueryTile = 16;
+constexpr int kMaxHeadSize = 256;  // the decode kernel's limit too (paged_decode_max_head_size)
 
 // Where key `j` of the tile starting at `k0` lives, for one KV head.
 template <typename T>
@@ -165,7 +166,7 @@ void prefill_item_fp32(const T* query, const KeyRows<T>& keys_at, const KeyRows<
     row_sum[r] = 0.0f;
   }
   std::fill(acc, acc + rows * head_size, 0.0f);
-  std::vector<__m512> kt(head_size);
+  __m512 kt[kMaxHeadSize];
   const int last_position = tile.position(rows - 1);
   for (int k0 = 0; k0 <= last_position; k0 += kKeyTile) {
     const int keys = std::min(kKeyTile, last_position + 1 - k0);
@@ -176,7 +177,7 @@ void prefill_item_fp32(const T* query, const KeyRows<T>& keys_at, const KeyRows<
       transpose16(block);
       for (int d = 0; d < 16; ++d) kt[d0 + d] = _mm512_castsi512_ps(block[d]);
     }
-    scores_fp32(q, kt.data(), rows, head_size, scores);
+    scores_fp32(q, kt, rows, head_size, scores);
     softmax_tile(scores, tile, k0, keys, scale, row_max, row_sum, acc, head_size);
     for (int j = 0; j < keys; ++j) {
       const T* src = values_at.row(k0 + j);
@@ -273,7 +274,7 @@ void prefill_item_bf16(const uint16_t* query, const KeyRows<uint16_t>& keys_at, 
     row_sum[r] = 0.0f;
   }
   std::fill(acc, acc + rows * head_size, 0.0f);
-  std::vector<__m512bh> kp(pairs), vp(8 * chunks);
+  __m512bh kp[kMaxHeadSize / 2], vp[8 * (kMaxHeadSize / 16)];
   alignas(64) static constexpr uint16_t kInterleave[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                           8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i low = _mm512_load_si512(kInterleave);
@@ -293,7 +294,7 @@ void prefill_item_bf16(const uint16_t* query, const KeyRows<uint16_t>& keys_at, 
       transpose16(block);
       for (int i = 0; i < 16 && i0 + i < pairs; ++i) kp[i0 + i] = (__m512bh)block[i];
     }
-    scores_bf16(q, kp.data(), rows, pairs, scores);
+    scores_bf16(q, kp, rows, pairs, scores);
     softmax_tile(scores, tile, k0, keys, scale, row_max, row_sum, acc, head_size);
     const int key_pairs = (keys + 1) / 2;
     for (int j2 = 0; j2 < key_pairs; ++j2) {
@@ -304,7 +305,7 @@ void prefill_item_bf16(const uint16_t* query, const KeyRows<uint16_t>& keys_at, 
         vp[j2 * chunks + c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
       }
     }
-    values_bf16(scores, vp.data(), key_pairs, rows, head_size, acc, p_pairs);
+    values_bf16(scores, vp, key_pairs, rows, head_size, acc, p_pairs);
   }
   for (int r = 0; r < rows; ++r) {
     uint16_t* dst = out + (static_cast<int64_t>(q_row0 + r / group) * num_heads + first_head + r % group) * head_size;
