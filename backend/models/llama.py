@@ -18,6 +18,7 @@ from backend.attention.base import AttentionMetadata
 from backend.attention.paged import PagedAttentionBackend as AttentionBackend
 from backend.models import cpu_fused
 from backend.models.cpu_linear import Linear, packed_linear, prepack_weight
+from backend.models.cpu_stack import CpuDecoderStack
 from backend.models.rope import RotaryEmbedding, get_rope_parameters
 from backend.models.shape import ModelShape
 
@@ -171,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary() once the device is known
         self.logits_packed: torch.Tensor | None = None  # tied lm_head, oneDNN-packed (CPU), see prepack_for_cpu
+        self.cpu_stack = None  # the decoder layers as one loop over the CPU kernels (cpu_stack.py), see use_cpu_kernels
 
     def init_rotary(self, dtype: torch.dtype, device: torch.device, initial_len: int = 4096) -> None:
         """Builds the cos/sin cache (derived state, never in a checkpoint)."""
@@ -197,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
         modules = [m for m in self.modules() if isinstance(m, (RMSNorm, LlamaMLP, LlamaAttention))]
         for module in modules:
             module.kernels = kernels
+        self.cpu_stack = CpuDecoderStack.build(self, kernels)
         return len(modules)
 
     @torch.inference_mode()
@@ -209,6 +212,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         self.rotary.ensure_len(metadata.max_seq_len)
         hidden = self.model.embed_tokens(input_ids)
+        if self.cpu_stack is not None and self.cpu_stack.takes(hidden, positions, kv_caches, metadata):
+            return self.cpu_stack(hidden, positions, kv_caches, metadata)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, self.rotary, positions, kv_cache, metadata)
