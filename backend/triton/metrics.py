@@ -45,9 +45,11 @@ def record_tokens(timing: RequestTiming, output: RequestOutput, now: float, metr
 
 
 def record_finish(timing: RequestTiming, output: RequestOutput, now: float, metrics: TritonMetrics | None) -> None:
-    """Counts a finished request by reason; successful ones also feed e2e, TPOT and size histograms."""
+    """Counts a finished request by reason; successful ones also feed e2e, TPOT and size histograms.
+    The batched token counters are sent first: a client that got its FINAL finds its tokens counted."""
     if metrics is None:
         return
+    metrics.flush_counters()
     reason = output.finish_reason.value if output.finish_reason is not None else "error"
     if output.error is not None and output.finish_reason is not FinishReason.ABORT:
         reason = "error"
@@ -76,6 +78,27 @@ OFFLOAD_COUNTERS = (
 OFFLOAD_LOAD_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
+class BatchedCounter:
+    """A counter whose increments add up here and reach Triton in one call per step.
+
+    Every pb_utils metric call is a round trip from the stub to tritonserver; the token counters
+    were two of them per streamed token. ``flush`` sends what added up (update_engine_stats does
+    once a step, record_finish before a request's FINAL goes out).
+    """
+
+    def __init__(self, metric):
+        self.metric = metric  # keeps the pb_utils metric (and so its family) alive
+        self.pending = 0
+
+    def increment(self, value) -> None:
+        self.pending += value
+
+    def flush(self) -> None:
+        if self.pending:
+            pending, self.pending = self.pending, 0
+            self.metric.increment(pending)
+
+
 class TritonMetrics:
     """Owns the metric families and metrics of one model instance."""
 
@@ -100,8 +123,9 @@ class TritonMetrics:
         _, self.queue_time = make("llm_request_queue_time_seconds", "Submission to first scheduling", H, LATENCY_BUCKETS)
         _, self.prompt_tokens_hist = make("llm_request_prompt_tokens", "Prompt tokens per request", H, TOKEN_BUCKETS)
         _, self.generation_tokens_hist = make("llm_request_generation_tokens", "Output tokens per request", H, TOKEN_BUCKETS)
-        _, self.prompt_tokens = make("llm_prompt_tokens_total", "Prompt tokens of requests that produced a token", C)
-        _, self.generation_tokens = make("llm_generation_tokens_total", "Output tokens sent to clients", C)
+        _, prompt_tokens = make("llm_prompt_tokens_total", "Prompt tokens of requests that produced a token", C)
+        _, generation_tokens = make("llm_generation_tokens_total", "Output tokens sent to clients", C)
+        self.prompt_tokens, self.generation_tokens = BatchedCounter(prompt_tokens), BatchedCounter(generation_tokens)
         success_family = family(name="llm_request_success_total", description="Finished requests by finish reason", kind=C)
         self._families.append(success_family)
         self.success = {reason: success_family.Metric(labels=dict(labels, finish_reason=reason)) for reason in FINISH_REASONS}
@@ -146,8 +170,15 @@ class TritonMetrics:
                                                 "Speculated steps / steps that could speculate, since start", G)
         self._last_stats: EngineStats | None = None
 
+    def flush_counters(self) -> None:
+        """Sends the token counts added up since the last flush (BatchedCounter)."""
+        self.prompt_tokens.flush()
+        self.generation_tokens.flush()
+
     def update_engine_stats(self, stats: EngineStats) -> None:
-        """Gauges are set; counters grow by the change since the last update."""
+        """Gauges are set; counters grow by the change since the last update; the step's token
+        counts are sent."""
+        self.flush_counters()
         last = self._last_stats
         if last is None or stats.num_running != last.num_running:
             self.running.set(stats.num_running)
