@@ -31,8 +31,27 @@ def git_state(repo: Path = REPO_ROOT) -> dict:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
+RUNTIME_ENVIRONMENT = ("LD_PRELOAD", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "OMP_WAIT_POLICY",
+                       "GOMP_SPINCOUNT", "GOMP_CPU_AFFINITY", "KMP_AFFINITY", "KMP_BLOCKTIME", "MALLOC_ARENA_MAX",
+                       "LLM_CPU_FUSED_OPS")
+
+
+def runtime_settings() -> dict:
+    """The thread and allocator settings a result was measured under (what the launcher and the
+    environment set), so every benchmark result records them."""
+    settings = {name: os.environ[name] for name in RUNTIME_ENVIRONMENT if name in os.environ}
+    try:
+        import torch  # noqa: PLC0415 (the client alone does not need torch)
+
+        settings["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    return settings
+
+
 def machine_info() -> dict:
     return {
+        "runtime": runtime_settings(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "platform": platform.platform(),

@@ -23,7 +23,7 @@ from client.bench.progress import Progress
 from client.bench.stats import RequestRecord
 from client.bench.workload import WorkItem
 from client.openai_stream import OpenAIStreamingClient
-from client.stream import StreamingClient
+from client.stream import SharedStream, StreamingClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +47,14 @@ API_OPENAI = "openai"  # OpenAI-compatible /v1/completions over HTTP (client.ope
 
 
 class _User:
-    """One simulated user: a lazily opened stream, reopened after a failure."""
+    """One simulated user: a lazily opened stream, reopened after a failure, or its requests on the
+    stream every user shares (``shared``)."""
 
-    def __init__(self, url: str, model: str, timeout_s: float, api: str = API_TRITON):
+    def __init__(self, url: str, model: str, timeout_s: float, api: str = API_TRITON,
+                 shared: SharedStream | None = None):
         if api not in (API_TRITON, API_OPENAI):
             raise ValueError(f"api: expected {API_TRITON!r} or {API_OPENAI!r}, got {api!r}")
-        self.url, self.model, self.timeout_s, self.api = url, model, timeout_s, api
+        self.url, self.model, self.timeout_s, self.api, self.shared = url, model, timeout_s, api, shared
         self.client: StreamingClient | OpenAIStreamingClient | None = None
 
     def close(self, cancel: bool = False) -> None:
@@ -74,6 +76,13 @@ class _User:
             seen_tokens = len(result.token_ids)
 
         start = time.monotonic()
+        if self.shared is not None:
+            try:
+                result = self.shared.generate(item.prompt, self.timeout_s, on_response=on_response,
+                                              max_tokens=item.max_tokens, ignore_eos=True, stream=True)
+            except Exception as exc:  # noqa: BLE001 (a timeout: a failed request, not a crash)
+                return self._failed(item, start, exc, progress)
+            return self._completed(item, result, progress)
         try:
             if self.client is None:
                 self.client = StreamingClient(self.url, self.model)
@@ -131,18 +140,22 @@ def run_workload(
     max_concurrency: int = 256,
     progress: Progress | None = None,
     api: str = API_TRITON,
+    shared_stream: bool = False,
 ) -> tuple[list[CompletedRequest], float]:
     """Runs every item under ``pattern`` against ``api`` at ``url``; returns results in item order and
-    the wall duration (s)."""
+    the wall duration (s). ``shared_stream`` (Triton only): every user's requests on one gRPC stream
+    (client.stream.SharedStream) instead of a stream per user: the same requests, a fraction of the
+    client's CPU, which shares the machine with the server here."""
     progress = progress or Progress(pattern.label, len(items), interval_s=0)
     results: list[CompletedRequest | None] = [None] * len(items)
     offsets = send_offsets(pattern, len(items), seed)
     num_users = int(pattern.value) if offsets is None else max_concurrency
     num_users = max(1, min(num_users, len(items)))
     work: queue.SimpleQueue = queue.SimpleQueue()
+    shared = SharedStream(url, model) if shared_stream and api == API_TRITON else None
 
     def serve_user() -> None:
-        user = _User(url, model, timeout_s, api)
+        user = _User(url, model, timeout_s, api, shared)
         try:
             while True:
                 index = work.get()
@@ -171,4 +184,6 @@ def run_workload(
         while thread.is_alive():
             thread.join(timeout=0.5)  # short joins keep Ctrl-C responsive
     duration = time.monotonic() - start
+    if shared is not None:
+        shared.close()
     return [r for r in results if r is not None], duration

@@ -76,7 +76,8 @@ def run_triton(args, items, warmup, pattern, in_thread: bool):
         label = ("triton-thread " if in_thread else "triton ") + pattern.label
         with Progress(label, len(items), args.progress_interval) as progress:
             completed, duration = run_workload(server.grpc_url, args.model, items, pattern, seed=args.seed,
-                                               progress=progress, api=API_TRITON)
+                                               progress=progress, api=API_TRITON,
+                                               shared_stream=args.triton_client == "shared-stream")
         cpu.stop()
         after = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
     finally:
@@ -100,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="every system's weights and activations (default: %(default)s)")
+    parser.add_argument("--triton-client", default="shared-stream", choices=("shared-stream", "stream-per-user"),
+                        help="the load generator's gRPC streams for the Triton systems: every request on one "
+                             "stream (default; the client shares these 2 cores with the server), or one stream "
+                             "and client per simulated user")
     parser.add_argument("--static-batch-size", type=int, default=32, help="hf-static batch size (default: %(default)s)")
     parser.add_argument("--vllm-setups", default="default,tuned", help="vLLM setups to run (default: %(default)s)")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=2)
@@ -237,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool": "perf.compare", "created": now_iso(), "git": git_state(), "machine": machine_info(),
         "workload": {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
                      "arrival": pattern.to_dict(), "seed": args.seed, "dtype": args.dtype,
+                     "triton_client": args.triton_client,
                      "prompt_tokens": sum(i.num_input_tokens for i in items),
                      "output_tokens": sum(i.max_tokens for i in items)},
         "model_dir": model_dir, "engine_config": str(engine_config), "systems": extra,

@@ -100,6 +100,7 @@ def markdown_report(document: dict, results: list[SystemResult]) -> str:
         f"forced), {workload['arrival']['label']}, {workload['dtype']}, seed {workload['seed']}. "
         f"Commit {str(document['git'].get('commit'))[:10]}{' (dirty)' if document['git'].get('dirty') else ''}, "
         f"{document['machine'].get('cpu_count', '?')} CPUs. Latencies in ms.",
+        f"Runtime: {_runtime_text(document)}.",
         "",
         "| system | arrivals | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | E2E p50 | errors "
         "| length mismatches | CPU s server/client | out tok per CPU s | load avg start/end | Triton llm / this "
@@ -210,3 +211,13 @@ def medians_report(results: list[SystemResult]) -> str:
         lines.append(f"| {name} | {count} | {tps:.1f} | {_ms(ttft)} | {_ms(itl)} | {ratio} "
                      f"| {_relative(ttft, engine[1]) if engine else '-'} | {_relative(itl, engine[2]) if engine else '-'} |")
     return "\n".join(lines) + "\n"
+
+
+def _runtime_text(document: dict) -> str:
+    """The thread/allocator settings and the Triton client mode the run was measured under."""
+    runtime = dict(document["machine"].get("runtime") or {})
+    parts = [f"{key}={value}" for key, value in sorted(runtime.items())]
+    client = document["workload"].get("triton_client")
+    if client:
+        parts.append(f"Triton client: {client}")
+    return ", ".join(parts) or "defaults"
