@@ -1,0 +1,96 @@
+"""Thread binding and allocator settings against our defaults, the engine in-process, alternating.
+
+vLLM's tuned CPU setup binds its OpenMP threads to cores and preloads tcmalloc; this measures
+whether either helps our engine here. Each setup is a fresh ``python -m perf.compare --systems
+engine`` process (LD_PRELOAD and OMP_* are read at process start) on the same seeded workload;
+the setups run in turn, ``--repeat`` rounds, and the table gives each one's median.
+
+    .venv/bin/python -m perf.runtime_settings [--setups default,tcmalloc,jemalloc,bind] [--repeat 3] \\
+        [-- perf.compare arguments, default: the mixed workload in bfloat16]
+
+Setups: ``default`` (torch's threads, glibc malloc with the mmap/trim thresholds the model runner
+raises), ``tcmalloc`` / ``jemalloc`` (LD_PRELOAD of the system library, skipped when absent),
+``bind`` (OMP_PROC_BIND=close, OMP_PLACES=cores), and ``tcmalloc+bind``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ALLOCATORS = {
+    "tcmalloc": ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"),
+    "jemalloc": ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",),
+}
+BIND = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
+MIXED = ["--num-requests", "64", "--input-len", "uniform:16:512", "--output-len", "uniform:16:256",
+         "--dtype", "bfloat16"]
+RESULT = re.compile(r"our engine in-process: \d+ tokens in [\d.]+ s = ([\d.]+) out tok/s")
+
+
+def setup_environment(name: str) -> dict[str, str] | None:
+    """The environment of one setup, or None when its library is not installed here."""
+    env = dict(os.environ)
+    for part in name.split("+"):
+        if part == "default":
+            continue
+        if part == "bind":
+            env.update(BIND)
+        elif part in ALLOCATORS:
+            found = next((p for p in ALLOCATORS[part] if os.path.exists(p)), None)
+            if found is None:
+                return None
+            env["LD_PRELOAD"] = found
+        else:
+            raise ValueError(f"unknown setup part {part!r}")
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    compare_args = MIXED
+    if "--" in argv:
+        compare_args = argv[argv.index("--") + 1 :]
+        argv = argv[: argv.index("--")]
+    parser = argparse.ArgumentParser(prog="python -m perf.runtime_settings", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setups", default="default,tcmalloc,bind")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    setups = {}
+    for name in args.setups.split(","):
+        env = setup_environment(name)
+        if env is None:
+            print(f"{name}: its library is not installed here, skipped")
+            continue
+        setups[name] = env
+    results: dict[str, list[float]] = {name: [] for name in setups}
+    for round_index in range(args.repeat):
+        for name, env in setups.items():
+            command = [sys.executable, "-m", "perf.compare", "--systems", "engine", *compare_args,
+                       "--out-dir", str(REPO_ROOT / "build" / "runtime_settings" / name)]
+            run = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+            found = RESULT.search(run.stdout)
+            if found is None:
+                print(f"round {round_index + 1} {name}: no result (exit {run.returncode})\n{run.stderr[-2000:]}")
+                continue
+            results[name].append(float(found.group(1)))
+            print(f"round {round_index + 1}/{args.repeat} {name}: {found.group(1)} out tok/s", flush=True)
+    base = statistics.median(results["default"]) if results.get("default") else None
+    print("\n| setup | out tok/s per round | median | vs default |\n| --- | --- | ---: | ---: |")
+    for name, values in results.items():
+        if not values:
+            continue
+        median = statistics.median(values)
+        ratio = "-" if base is None else f"{median / base:.3f}x"
+        print(f"| {name} | {', '.join(f'{v:.1f}' for v in values)} | {median:.1f} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
