@@ -42,13 +42,30 @@ class ModelLoadError(ValueError):
     """The checkpoint cannot be served; the message says why."""
 
 
+def cpu_has_native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512_BF16 or AMX), as oneDNN's bfloat16
+    GEMMs need to beat float32."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if any(check is not None for check in checks):
+        return any(check() for check in checks if check is not None)
+    try:  # an older torch: the kernel's flags
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            flags = cpuinfo.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """config.pbtxt's ``dtype`` (auto | float32 | bfloat16 | float16) as a torch dtype.
 
-    auto: bfloat16 on the CPU (measured on SmolLM2-135M, 2 AVX2 cores: 1.37x float32's
-    throughput, and it drifts from float32 no more than transformers' own bfloat16 does; set
-    float32 for exact greedy parity with transformers in float32); on CUDA the checkpoint's dtype
-    when it is 16-bit, else float32.
+    auto on the CPU: bfloat16 where the CPU multiplies bfloat16 in hardware, else float32. Measured
+    here (perf/RESULTS.md, "dtype: auto"): with AVX512_BF16 a batch-32 SmolLM2 decode step is 1.8x
+    faster in bfloat16; with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, as on an AVX2-only CPU)
+    it is 3.2x slower, bfloat16 being emulated. bfloat16 greedy output is not token-exact against
+    transformers' own bfloat16 (perf.dtype_choice reports the agreement); set float32 for exact
+    greedy parity with transformers in float32. On CUDA: the checkpoint's dtype when it is 16-bit,
+    else float32.
     """
     explicit = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name in explicit:
@@ -56,7 +73,7 @@ def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) 
     if name != "auto":
         raise ValueError(f"unknown dtype '{name}'")
     if torch.device(device).type == "cpu":
-        return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(saved, str):
         saved = getattr(torch, saved, None)

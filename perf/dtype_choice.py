@@ -1,0 +1,123 @@
+"""float32 against bfloat16 on the CPU, per model: throughput, and greedy agreement with transformers
+in the same dtype. What ``dtype: auto`` is decided on (backend/models/loader.resolve_dtype).
+
+Throughput: ``python -m perf.compare --systems engine`` on the same seeded workload, the two dtypes
+alternating, ``--repeat`` rounds, medians. Agreement: the engine's greedy tokens (batched, as it
+serves) against transformers ``generate()`` in the same dtype, on ``--prompts`` prompts written
+for the repository (data/demo_corpus.txt slices and chat prompts) of ``--max-tokens`` tokens each:
+the share of prompts that are token-for-token equal, and of tokens before the first difference.
+
+    .venv/bin/python -m perf.dtype_choice [--models smollm2,demo] [--repeat 2] [--prompts 16] [--max-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODELS = {  # name -> (model repository, model folder)
+    "smollm2": (REPO_ROOT / "model_repository", REPO_ROOT / "models" / "smollm2-135m-instruct"),
+    "demo": (REPO_ROOT / "models" / "demo-repository", REPO_ROOT / "models" / "demo-llama"),
+}
+WORKLOAD = ["--num-requests", "64", "--input-len", "uniform:16:512", "--output-len", "uniform:16:256"]
+RESULT = re.compile(r"our engine in-process: \d+ tokens in [\d.]+ s = ([\d.]+) out tok/s")
+
+
+def throughput(repository: Path, dtype: str) -> float | None:
+    command = [sys.executable, "-m", "perf.compare", "--systems", "engine", "--model-repository", str(repository),
+               *WORKLOAD, "--dtype", dtype, "--out-dir", str(REPO_ROOT / "build" / "dtype_choice")]
+    run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    found = RESULT.search(run.stdout)
+    if found is None:
+        print(run.stderr[-2000:], file=sys.stderr)
+    return None if found is None else float(found.group(1))
+
+
+def prompts(folder: Path, count: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)  # as the engine loads it, from the model's folder
+    corpus = (REPO_ROOT / "data" / "demo_corpus.txt").read_text(encoding="utf-8")
+    texts = [corpus[i * 700 : i * 700 + 120 + 60 * (i % 5)] for i in range(count)]
+    if tokenizer.chat_template:
+        questions = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion briefly.",
+                     "List three fruits.", "Say hello in French.", "What is 12 times 7?"]
+        for i, question in enumerate(questions[: count // 3]):
+            texts[i] = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                     add_generation_prompt=True)
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def agreement(folder: Path, repository: Path, dtype: str, count: int, max_tokens: int) -> tuple[float, float]:
+    """(share of prompts equal token for token, share of tokens before the first difference)."""
+    from transformers import AutoModelForCausalLM
+
+    from backend.config import engine_config_from_model_folder
+    from backend.engine import LLMEngine
+    from backend.request import SamplingParams
+
+    ids = prompts(folder, count)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    want = []
+    with torch.inference_mode():
+        for prompt in ids:
+            tensor = torch.tensor([prompt])
+            out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+            want.append(out[0, len(prompt):].tolist())
+    engine = LLMEngine(engine_config_from_model_folder(str(repository / "llm"), dtype=dtype))
+    got = engine.generate(ids, SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0))
+    got = [g.output_token_ids for g in got]
+    exact = sum(1 for a, b in zip(got, want, strict=True) if list(a) == list(b))
+    prefix = 0
+    for a, b in zip(got, want, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix += n
+    return exact / len(ids), prefix / (len(ids) * max_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.dtype_choice", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2,demo")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args(argv)
+    rows = []
+    for name in args.models.split(","):
+        repository, folder = MODELS[name]
+        speeds: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+        if not args.skip_throughput:
+            for round_index in range(args.repeat):
+                for dtype in speeds:
+                    value = throughput(repository, dtype)
+                    print(f"{name} round {round_index + 1} {dtype}: {value} out tok/s", flush=True)
+                    if value is not None:
+                        speeds[dtype].append(value)
+        for dtype in speeds:
+            exact, prefix = agreement(folder, repository, dtype, args.prompts, args.max_tokens)
+            print(f"{name} {dtype}: {exact:.0%} of prompts equal to transformers, {prefix:.1%} of tokens before the "
+                  f"first difference", flush=True)
+            median = statistics.median(speeds[dtype]) if speeds[dtype] else None
+            rows.append((name, dtype, speeds[dtype], median, exact, prefix))
+    print("\n| model | dtype | out tok/s per round | median | bf16 / fp32 | prompts equal to transformers (same dtype) "
+          "| tokens before the first difference |\n| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    medians = {(r[0], r[1]): r[3] for r in rows}
+    for name, dtype, values, median, exact, prefix in rows:
+        fp32 = medians.get((name, "float32"))
+        ratio = f"{median / fp32:.2f}x" if dtype == "bfloat16" and median and fp32 else "-"
+        print(f"| {name} | {dtype} | {', '.join(f'{v:.1f}' for v in values) or '-'} | "
+              f"{'-' if median is None else f'{median:.1f}'} | {ratio} | {exact:.0%} | {prefix:.1%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
