@@ -63,3 +63,24 @@ def cpu_kernels():
         return build.load_kernel()
     except build.KernelUnavailable as exc:  # pragma: no cover
         pytest.fail(f"the CPU kernels do not build here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels_avx2():
+    """The same kernels built without AVX-512 (build.AVX2_ONLY_FLAGS): the paths an AVX2-only CPU runs
+    (AVX2 decode and fused ops, no prefill kernel), tested here whatever the CI machine has."""
+    import torch
+
+    from backend.attention.cpu_kernel import build
+
+    if not torch.cpu._is_avx2_supported():  # pragma: no cover (every x86-64 CI machine has AVX2)
+        pytest.skip("this CPU has no AVX2")
+    try:
+        return build.CpuKernels(build.build_library(build.AVX2_ONLY_FLAGS))
+    except build.KernelUnavailable as exc:  # pragma: no cover
+        pytest.fail(f"the AVX2 build of the CPU kernels fails: {exc}")
+
+
+def both_builds(request, native):
+    """The fixture value for the parameter "native" (this CPU's build) or "avx2"."""
+    return native if request.param == "native" else request.getfixturevalue("cpu_kernels_avx2")

@@ -17,6 +17,7 @@ from backend.models.cpu_stack import CpuDecoderStack
 from backend.models.loader import load_model
 from backend.request import Request, SamplingParams
 from backend.scheduler import ScheduledRequest as Scheduled
+from tests.kernels.conftest import both_builds
 from tests.unit.random_models import get_random_model
 
 
@@ -35,9 +36,16 @@ def step(runner: ModelRunner, vocab_size: int):
     return [runner.prepare(first)[:3], runner.prepare(second)[:3]]
 
 
+@pytest.fixture(params=["native", "avx2"])
+def kernels(request, cpu_kernels):
+    """This CPU's build and the build without AVX-512 (tests/kernels/conftest.py)."""
+    return both_builds(request, cpu_kernels)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["llama_gqa4", "qwen2_tied"])
-def test_the_stack_equals_the_modules_on_the_kernels(cpu_kernels, name, dtype):
+def test_the_stack_equals_the_modules_on_the_kernels(kernels, name, dtype):
+    cpu_kernels = kernels
     path, hf_config = get_random_model(name)
     results = []
     for use_stack in (True, False, None):  # stack; modules with kernels; modules with torch's ops

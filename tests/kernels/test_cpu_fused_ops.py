@@ -14,11 +14,13 @@ from backend.attention.base import AttentionMetadata
 from backend.models import cpu_fused
 from backend.models.llama import LlamaMLP, RMSNorm
 from backend.models.rope import RotaryEmbedding
+from tests.kernels.conftest import both_builds
 
 
-@pytest.fixture()
-def kernels(cpu_kernels):
-    return cpu_kernels
+@pytest.fixture(params=["native", "avx2"])
+def kernels(request, cpu_kernels):
+    """This CPU's build and the build without AVX-512 (tests/kernels/conftest.py)."""
+    return both_builds(request, cpu_kernels)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:

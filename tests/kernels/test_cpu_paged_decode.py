@@ -17,6 +17,7 @@ from backend.attention.cpu_backend import CpuAttentionBackend, paged_decode
 from backend.attention.cpu_kernel import build
 from backend.attention.selector import get_attention_backend
 from backend.attention.torch_backend import TorchAttentionBackend
+from tests.kernels.conftest import both_builds
 from tests.kernels.batches import expected_output, make_batch
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -24,9 +25,10 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 HEADS = [(4, 4), (9, 3), (8, 2), (16, 2)]
 
 
-@pytest.fixture()
-def kernel(cpu_kernels):
-    return cpu_kernels
+@pytest.fixture(params=["native", "avx2"])
+def kernel(request, cpu_kernels):
+    """This CPU's build and the build without AVX-512 (tests/kernels/conftest.py)."""
+    return both_builds(request, cpu_kernels)
 
 
 def decode_and_compare(kernel, seq_lens, heads, head_size, dtype, block_size=16, seed=0):

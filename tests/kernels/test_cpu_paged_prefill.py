@@ -106,3 +106,19 @@ def test_the_reference_itself_is_causal():
     first_value = value_cache.view(-1, 2, 16)[int(batch.metadata.slot_mapping[0])]
     torch.testing.assert_close(expected[0], first_value.float())
     assert reference is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_build_without_avx512_prefills_through_sdpa(cpu_kernels_avx2, dtype):
+    """An AVX2-only build has no prefill kernel: the backend plans SDPA's masks and still equals the
+    torch backend, decodes through the AVX2 kernel."""
+    assert not cpu_kernels_avx2.prefill_available
+    batch = make_batch([40, 1, 250, 90, 64], [1, 1, 1, 30, 64], num_heads=9, num_kv_heads=3, head_size=64,
+                       block_size=16, dtype=dtype, seed=13, fill=0.0)
+    outputs = []
+    for backend in (TorchAttentionBackend("cpu"), CpuAttentionBackend(cpu_kernels_avx2)):
+        key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+        outputs.append(backend.forward(batch.query, batch.key, batch.value, key_cache, value_cache,
+                                       batch.metadata, 0.125))
+    error = (outputs[0].float() - outputs[1].float()).abs().max().item()
+    assert error <= TOLERANCE[dtype], f"max error {error:.3g}"

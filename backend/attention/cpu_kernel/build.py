@@ -55,7 +55,11 @@ def compiler() -> str:
     return found
 
 
-def build_digest(cxx: str) -> str:
+# What the tests add to build the AVX2 paths on a CPU with AVX-512 (the CI machines may have either).
+AVX2_ONLY_FLAGS = ("-mno-avx512f",)
+
+
+def build_digest(cxx: str, extra_flags: tuple[str, ...] = ()) -> str:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
@@ -63,22 +67,23 @@ def build_digest(cxx: str) -> str:
     digest = hashlib.sha256()
     for path in [*SOURCES, *HEADERS]:
         digest.update(path.read_bytes())
-    digest.update(" ".join(FLAGS).encode())
+    digest.update(" ".join([*FLAGS, *extra_flags]).encode())
     digest.update(version.encode())
     return digest.hexdigest()[:16]
 
 
-def build_library() -> Path:
-    """The cached library, compiled first when missing; raises KernelUnavailable."""
+def build_library(extra_flags: tuple[str, ...] = ()) -> Path:
+    """The cached library, compiled first when missing; raises KernelUnavailable. ``extra_flags``
+    (tests) builds a variant, e.g. AVX2_ONLY_FLAGS."""
     cxx = compiler()
-    folder = cache_root() / build_digest(cxx)
+    folder = cache_root() / build_digest(cxx, tuple(extra_flags))
     library = folder / LIBRARY_NAME
     if library.exists():
         return library
     folder.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(prefix=LIBRARY_NAME + ".", dir=folder)
     os.close(handle)
-    command = [cxx, *FLAGS, *map(str, SOURCES), "-o", partial]
+    command = [cxx, *FLAGS, *extra_flags, *map(str, SOURCES), "-o", partial]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as exc:
