@@ -8,10 +8,15 @@ calls after a warm-up, and the kernel's output is checked against torch's first.
 
     .venv/bin/python -m perf.decode_attention [--batch 32] [--contexts 128,512,2048] [--repeat 30]
     .venv/bin/python -m perf.decode_attention --cold
+    .venv/bin/python -m perf.decode_attention --prefill
 
 ``--cold`` times the kernel alone as a decode step sees it: a 1 GiB bf16 cache per K and V with
 each sequence's blocks spread over all of it, and 64 MB of other memory written between calls so
 the K/V come from DRAM (against the same call with warm caches).
+
+``--prefill`` times prefill attention instead: the torch backend's SDPA (CPU flash attention, per
+sequence, over a gathered context when there is a cached prefix) against the CPU prefill kernel, for
+whole prompts and for chunks after a cached prefix, one layer, both dtypes, SmolLM2's heads.
 """
 
 from __future__ import annotations
@@ -98,14 +103,63 @@ def cold_cache(kernel, batch: int, repeat: int) -> int:
     return 0
 
 
+PREFILL_SHAPES = ((64, 64), (269, 269), (512, 512), (1024, 512), (2048, 64))  # (context, new tokens)
+
+
+def prefill(kernel, repeat: int) -> int:
+    """SDPA against the prefill kernel, one sequence per row (see the module docstring)."""
+    num_heads, num_kv_heads, head_size = MODELS["smollm2"]
+    print(f"prefill attention, one layer, SmolLM2 heads {num_heads}/{num_kv_heads} x {head_size}, torch threads "
+          f"{torch.get_num_threads()}; median of {repeat} calls (plan + attention)")
+    print("| dtype | context | new tokens | torch SDPA ms | cpu kernel ms | speed-up | kernel GFLOP/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for dtype in (torch.bfloat16, torch.float32):
+        for context, new in PREFILL_SHAPES:
+            rng = random.Random(context)
+            needed = -(-context // BLOCK_SIZE)
+            ids = list(range(1, needed + 1))
+            rng.shuffle(ids)
+            tables = torch.tensor([ids], dtype=torch.int32)
+            shape = (needed + 1, BLOCK_SIZE, num_kv_heads, head_size)
+            key_cache, value_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+            query = torch.randn(new, num_heads, head_size).to(dtype)
+            key = torch.randn(new, num_kv_heads, head_size).to(dtype)
+            value = torch.randn(new, num_kv_heads, head_size).to(dtype)
+            slots = torch.tensor([ids[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(context - new, context)])
+            metadata = AttentionMetadata.build(slots, tables, [context], [new])
+            results = {}
+            for name, backend in (("torch", TorchAttentionBackend("cpu")), ("kernel", CpuAttentionBackend(kernel))):
+                times = []
+                for i in range(repeat + 2):
+                    backend._plan = None  # a fresh plan each call, as each step makes one
+                    start = time.perf_counter()
+                    out = backend.forward(query, key, value, key_cache, value_cache, metadata, head_size**-0.5)
+                    if i >= 2:
+                        times.append((time.perf_counter() - start) * 1000)
+                results[name] = (statistics.median(times), out)
+            difference = (results["torch"][1].float() - results["kernel"][1].float()).abs().max().item()
+            assert difference < (1e-4 if dtype == torch.float32 else 5e-2), f"outputs differ by {difference}"
+            flops = 4 * num_heads * head_size * sum(context - new + i + 1 for i in range(new))
+            base, fast = results["torch"][0], results["kernel"][0]
+            print(f"| {str(dtype).removeprefix('torch.')} | {context} | {new} | {base:.2f} | {fast:.2f} | "
+                  f"{base / fast:.2f}x | {flops / fast / 1e6:.0f} |", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.decode_attention", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--contexts", default="128,512,2048")
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--cold", action="store_true", help="the kernel with its K/V in DRAM, against warm")
+    parser.add_argument("--prefill", action="store_true", help="prefill attention: SDPA against the prefill kernel")
     args = parser.parse_args(argv)
     kernel = load_kernel()
+    if args.prefill:
+        if not kernel.prefill_available:
+            print("this build has no prefill kernel (no AVX-512): prefill runs SDPA")
+            return 0
+        return prefill(kernel, args.repeat)
     if args.cold:
         return cold_cache(kernel, args.batch, args.repeat)
     backends = {"torch": TorchAttentionBackend("cpu"), "cpu kernel": CpuAttentionBackend(kernel)}

@@ -1,7 +1,7 @@
 """Picks the attention backend named by config.pbtxt's ``attention_backend`` parameter.
 
 'auto' takes the CuPy kernels where they can run (a CUDA device, CuPy and NVRTC present), the CPU
-paged decode kernel on the CPU where it builds and takes the shapes and dtype (backend/attention/
+paged decode and prefill kernels on the CPU where they build and take the shapes and dtype (backend/attention/
 cpu_backend.py), and the torch backend everywhere else, logging why. 'cupy' and 'cpu' insist on
 their kernels and fail the load with the reason when they cannot run. The CuPy module is imported
 lazily: the engine imports without CuPy.

@@ -92,3 +92,33 @@ def test_genai_perf_profile(triton_server, demo_model_dir, tmp_path):
     report = json.loads((out_dir / "concurrency2" / "profile_export_genai_perf.json").read_text())
     assert report["request_throughput"]["avg"] > 0
     assert report["time_to_first_token"]["avg"] > 0 and report["inter_token_latency"]["avg"] > 0
+
+
+def test_one_shared_stream_carries_every_threads_requests(triton_server):
+    """client.stream.SharedStream (the load generator's default for Triton): eight requests from four
+    threads on one gRPC stream, each answered in full with exactly the greedy tokens it gets on a
+    stream of its own, one FINAL each."""
+    import threading
+
+    from client.stream import SharedStream, StreamingClient
+
+    prompts = [f"Prompt number {i}: the quick brown fox" + " jumps" * i for i in range(8)]
+    with StreamingClient(triton_server.grpc_url) as alone:
+        want = [alone.generate(p, max_tokens=6, ignore_eos=True, stream=True).token_ids for p in prompts]
+    shared = SharedStream(triton_server.grpc_url)
+    got: dict[int, object] = {}
+
+    def user(indices):
+        for i in indices:
+            got[i] = shared.generate(prompts[i], max_tokens=6, ignore_eos=True, stream=True)
+
+    threads = [threading.Thread(target=user, args=(range(k, 8, 4),)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    shared.close()
+    assert sorted(got) == list(range(8))
+    for i, result in got.items():
+        assert result.error is None and result.num_final == 1
+        assert result.token_ids == want[i] and len(result.token_ids) == 6
