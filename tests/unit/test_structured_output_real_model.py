@@ -32,7 +32,12 @@ def engine():
     from backend.smollm2_model import build
 
     build()  # made by make setup; a no-op then
-    return LLMEngine(engine_config_from_model_folder(str(REPO_ROOT / "model_repository" / "llm")))
+    # float32, not the config's auto (bfloat16 on CPUs with AVX512_BF16): a request's tokens beside
+    # other requests equal its tokens alone only in float32. In bfloat16 oneDNN's GEMM accumulates
+    # a one-row batch in another order than a two-row one (measured: SmolLM2's down_proj, same input
+    # row, outputs one bfloat16 rounding apart), and greedy decoding amplifies that into other tokens.
+    return LLMEngine(engine_config_from_model_folder(str(REPO_ROOT / "model_repository" / "llm"),
+                                                     dtype="float32"))
 
 
 def chat(engine, question: str) -> list[int]:
