@@ -220,11 +220,20 @@ struct Avx512 {
   static reg load(const float* p) { return load16(p); }
   static reg load(const uint16_t* p) { return load16(p); }
   static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+#ifdef LLM_CPU_AVX512_BF16
+  // Rounded to bfloat16 by vcvtneps2bf16: round to nearest even as torch rounds, in one
+  // instruction instead of nine (it flushes bfloat16 denormals, below 1.2e-38, to zero).
+  static void store(uint16_t* p, reg v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v)); }
+  static reg round(uint16_t, reg v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  }
+#else
   static void store(uint16_t* p, reg v) {  // rounded to bfloat16
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
   }
-  static reg round(float, reg v) { return v; }
   static reg round(uint16_t, reg v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
+#endif
+  static reg round(float, reg v) { return v; }
   static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
