@@ -11,8 +11,9 @@ Systems (same prompts, same forced output lengths, greedy, same dtype):
 * ``triton-thread``: the same with ``engine_process: false`` (the engine on a thread of the stub);
 * ``engine``: our engine in-process (perf.compare.engine_in_process), no server;
 * ``engine-torch-attention``: the same with ``attention_backend: torch`` (decode attention by
-  gather + SDPA instead of the CPU paged kernel), and ``engine-fused-ops`` with
-  ``LLM_CPU_FUSED_OPS=1`` (the fused RMSNorm and SiLU x up, off by default), to measure each;
+  gather + SDPA instead of the CPU kernels), and ``engine-no-fused-ops`` with
+  ``LLM_CPU_FUSED_OPS=0`` (torch's RMSNorm, SiLU x up and rotary instead of the fused kernels,
+  which are on by default), to measure each;
 * ``vllm``: vLLM's CPU build from ``make peers`` through its OpenAI streaming endpoint, with the
   same load generator (``--api openai``); run in the ``default`` and ``tuned`` setups
   (perf.compare.vllm_server) and compared against the better one;
@@ -48,7 +49,7 @@ from perf.compare.cpu_meter import CpuMeter
 from perf.compare.report import SystemResult, markdown_report, medians_report, write_plot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ALL_SYSTEMS = ("triton", "triton-thread", "engine", "engine-fused-ops", "engine-torch-attention", "vllm",
+ALL_SYSTEMS = ("triton", "triton-thread", "engine", "engine-no-fused-ops", "engine-torch-attention", "vllm",
                "hf-continuous", "hf-static")
 
 
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  engine-core IPC per step: median {ipc['median_us']:.0f} us over {ipc['count']} steps")
             name = TRITON_THREAD_NAME if in_thread else "Triton llm (gRPC streaming)"
             note(served_result(name, completed, duration, load_before, cpu))
-        elif system in ("engine", "engine-fused-ops", "engine-torch-attention"):
+        elif system in ("engine", "engine-no-fused-ops", "engine-torch-attention"):
             from perf.compare.engine_in_process import run_engine_in_process
 
             overrides = {"dtype": args.dtype}
@@ -186,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                 overrides["attention_backend"] = "torch"
                 name += ", torch attention"
             fused = os.environ.get("LLM_CPU_FUSED_OPS")
-            if system == "engine-fused-ops":  # the decode kernel plus the fused RMSNorm and SiLU x up
-                os.environ["LLM_CPU_FUSED_OPS"] = "1"
-                name += ", fused ops"
+            if system == "engine-no-fused-ops":  # the attention kernels, torch for the layers' small ops
+                os.environ["LLM_CPU_FUSED_OPS"] = "0"
+                name += ", no fused ops"
             try:
                 records, duration, summary = run_engine_in_process(model_folder, token_requests, pattern,
                                                                    overrides, args.seed, args.progress_interval)

@@ -11,11 +11,11 @@ streaming client, minus the transport. This is the ceiling the Triton path is me
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Sequence
 
+from backend.models.cpu_fused import fused_ops_enabled
 from client.bench.arrivals import ArrivalPattern, send_offsets
 from client.bench.progress import Progress
 from client.bench.stats import RequestRecord
@@ -73,6 +73,6 @@ def run_engine_in_process(
     stats = engine.stats()
     summary = {"steps": driver.steps, "preemptions": stats.num_preemptions, "cpu_s": cpu_s, "config": str(config),
                "attention_backend": engine.model_runner.attention_backend.name,
-               "fused_cpu_ops": os.environ.get("LLM_CPU_FUSED_OPS", "0") == "1"
+               "fused_cpu_ops": fused_ops_enabled()
                and engine.model_runner.attention_backend.name == "cpu"}
     return records, duration, summary
