@@ -78,7 +78,7 @@ def agreement(folder: Path, repository: Path, dtype: str, count: int, max_tokens
     exact = sum(1 for a, b in zip(got, want, strict=True) if list(a) == list(b))
     prefix = 0
     for a, b in zip(got, want, strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         prefix += n
     return exact / len(ids), prefix / (len(ids) * max_tokens)
 

@@ -17,8 +17,8 @@ from backend.attention.cpu_backend import CpuAttentionBackend, paged_decode
 from backend.attention.cpu_kernel import build
 from backend.attention.selector import get_attention_backend
 from backend.attention.torch_backend import TorchAttentionBackend
-from tests.kernels.conftest import both_builds
 from tests.kernels.batches import expected_output, make_batch
+from tests.kernels.conftest import both_builds
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 # (num_heads, num_kv_heads): GQA ratios 1, 3, 4 and 8
