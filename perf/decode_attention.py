@@ -37,8 +37,12 @@ BLOCK_SIZE = 16
 MODELS = {"demo": (8, 2, 64), "smollm2": (9, 3, 64)}
 
 
-def make_step(seq_lens: list[int], heads: tuple[int, int, int], dtype: torch.dtype, seed: int):
+def make_step(seq_lens: list[int], heads: tuple[int, int, int], dtype: torch.dtype, seed: int,
+              query_lens: list[int] | None = None):
+    """Random caches over shuffled block tables, the queries of each sequence's last ``query_lens``
+    tokens (default: one, a decode) and the step's metadata."""
     num_heads, num_kv_heads, head_size = heads
+    query_lens = query_lens or [1] * len(seq_lens)
     rng = random.Random(seed)
     needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
     ids = list(range(1, sum(needed) + 1))
@@ -50,10 +54,11 @@ def make_step(seq_lens: list[int], heads: tuple[int, int, int], dtype: torch.dty
     cache_shape = (sum(needed) + 1, BLOCK_SIZE, num_kv_heads, head_size)
     key_cache = torch.randn(cache_shape).to(dtype)
     value_cache = torch.randn(cache_shape).to(dtype)
-    query = torch.randn(len(seq_lens), num_heads, head_size).to(dtype)
-    slots = torch.tensor([int(tables[i, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
-                          for i, n in enumerate(seq_lens)], dtype=torch.int64)
-    metadata = AttentionMetadata.build(slots, tables, seq_lens, [1] * len(seq_lens))
+    query = torch.randn(sum(query_lens), num_heads, head_size).to(dtype)
+    slots = torch.tensor([int(tables[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+                          for i, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True)) for p in range(n - q, n)],
+                         dtype=torch.int64)
+    metadata = AttentionMetadata.build(slots, tables, seq_lens, query_lens)
     return query, key_cache, value_cache, metadata
 
 
@@ -115,18 +120,10 @@ def prefill(kernel, repeat: int) -> int:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for dtype in (torch.bfloat16, torch.float32):
         for context, new in PREFILL_SHAPES:
-            rng = random.Random(context)
-            needed = -(-context // BLOCK_SIZE)
-            ids = list(range(1, needed + 1))
-            rng.shuffle(ids)
-            tables = torch.tensor([ids], dtype=torch.int32)
-            shape = (needed + 1, BLOCK_SIZE, num_kv_heads, head_size)
-            key_cache, value_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
-            query = torch.randn(new, num_heads, head_size).to(dtype)
+            query, key_cache, value_cache, metadata = make_step([context], MODELS["smollm2"], dtype, seed=context,
+                                                                query_lens=[new])
             key = torch.randn(new, num_kv_heads, head_size).to(dtype)
             value = torch.randn(new, num_kv_heads, head_size).to(dtype)
-            slots = torch.tensor([ids[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(context - new, context)])
-            metadata = AttentionMetadata.build(slots, tables, [context], [new])
             results = {}
             for name, backend in (("torch", TorchAttentionBackend("cpu")), ("kernel", CpuAttentionBackend(kernel))):
                 times = []
