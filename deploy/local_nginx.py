@@ -1,4 +1,4 @@
-"""Runs deploy/nginx.conf on loopback, in front of tritonservers started by backend.launcher.
+"""Runs deploy/nginx.conf on loopback, in front of tritonservers started by backend.server.launcher.
 
 The compose file's nginx routes to ``triton-N:8001``; tests and benchmarks here have no Docker, so
 they render the same file with the upstream servers replaced by ``127.0.0.1:<port>`` lines and the

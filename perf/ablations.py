@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 
 from backend.models.shape import ceil_div
+from backend.paths import REPO_ROOT
 from client.bench.progress import Progress
 from client.bench.stats import percentile
 from perf.workload import random_prompt, random_tokens
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 ABLATIONS = ("inflight", "prefix_caching", "chunked_prefill", "paged_kv")
 PROGRESS_INTERVAL_S = 5.0
 
@@ -75,8 +75,8 @@ SIZES = {
 # ------------------------------------------------------------------------------------ helpers
 def make_engine(model_folder: str, overrides: dict[str, str]):
     from backend.config import engine_config_from_model_folder
-    from backend.engine import LLMEngine
-    from backend.request import SamplingParams
+    from backend.engine.llm_engine import LLMEngine
+    from backend.engine.request import SamplingParams
 
     engine = LLMEngine(engine_config_from_model_folder(model_folder, **overrides))
     # Warm-up (first-call allocations), then forget its prefix blocks so they cannot be hit.

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.launcher import free_port, start_server
+from backend.paths import REPO_ROOT
+from backend.server.launcher import free_port, start_server
 from client.bench.lengths import parse_length
 from client.bench.prompts import PromptBuilder
 from client.bench.stats import summarize_ms
@@ -35,7 +36,6 @@ from client.stream import StreamingClient
 from deploy.local_nginx import start_nginx
 from deploy.replica_metrics import PREFIX_HITS, PREFIX_QUERIES, SUCCESS, read_counters
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "perf" / "results"
 MODES = {"consistent-hash": True, "round-robin": False}
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-json", default=str(RESULTS_DIR / "bench_affinity.json"))
     args = parser.parse_args(argv)
 
-    from backend.demo_model import DEFAULT_OUT, build  # noqa: PLC0415 (builds the model only when run)
+    from backend.models.demo_model import DEFAULT_OUT, build  # noqa: PLC0415 (builds the model only when run)
 
     model_dir = build(DEFAULT_OUT)
     builder = PromptBuilder(model_dir)

@@ -28,10 +28,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from backend.launcher import start_server
+from backend.paths import REPO_ROOT
+from backend.server.launcher import start_server
 from client.bench.cli import main as bench_main
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "models" / "demo-repository"  # the served configs on the demo model
 DEMO_MODEL = REPO_ROOT / "models" / "demo-llama"
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from backend.paths import REPO_ROOT
+
 MODELS = {  # name -> (model repository, model folder)
     "smollm2": (REPO_ROOT / "model_repository", REPO_ROOT / "models" / "smollm2-135m-instruct"),
     "demo": (REPO_ROOT / "models" / "demo-repository", REPO_ROOT / "models" / "demo-llama"),
@@ -60,8 +61,8 @@ def agreement(folder: Path, repository: Path, dtype: str, count: int, max_tokens
     from transformers import AutoModelForCausalLM
 
     from backend.config import engine_config_from_model_folder
-    from backend.engine import LLMEngine
-    from backend.request import SamplingParams
+    from backend.engine.llm_engine import LLMEngine
+    from backend.engine.request import SamplingParams
 
     ids = prompts(folder, count)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()

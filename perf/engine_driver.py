@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backend.engine import RequestOutput, StepOutput
-from backend.request import SamplingParams
+from backend.engine.outputs import RequestOutput, StepOutput
+from backend.engine.request import SamplingParams
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from backend.launcher import live_processes_in_group, start_server
+from backend.server.launcher import live_processes_in_group, start_server
 from perf.served import DEFAULT_MODEL_REPOSITORY
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

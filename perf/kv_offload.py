@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
 from perf.served import DEFAULT_MODEL_REPOSITORY, RESULTS_DIR, write_report
 
 SYSTEMS = ("recompute", "disk tier", "host tier")

@@ -22,11 +22,10 @@ import random
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from backend.paths import REPO_ROOT
 
 # aten/mkldnn operator name fragments -> category (first match wins)
 CATEGORIES = (
@@ -64,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from backend.config import engine_config_from_model_folder
-    from backend.engine import LLMEngine
+    from backend.engine.llm_engine import LLMEngine
     from perf.engine_driver import EngineDriver
     from perf.workload import random_prompt
 

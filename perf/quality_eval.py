@@ -27,12 +27,13 @@ import time
 from pathlib import Path
 
 from backend.config import engine_config_from_model_folder
-from backend.launcher import start_server
+from backend.paths import REPO_ROOT
+from backend.server.launcher import start_server
 from client.stream import StreamingClient
 from perf.compare.repository import repository_with_overrides
 from perf.quality.qa_items import ITEMS
 from perf.quality.scoring import accuracy, perplexity, reference_logprobs, regressions
-from perf.served import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, generate_all, report_dir, write_report
+from perf.served import DEFAULT_MODEL_REPOSITORY, generate_all, report_dir, write_report
 
 HELDOUT = REPO_ROOT / "data" / "quality" / "heldout.txt"
 CONFIGS = {  # name -> config.pbtxt overrides; the first is the baseline

@@ -21,9 +21,9 @@ import re
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from backend.paths import REPO_ROOT
+
 ALLOCATORS = {
     "tcmalloc": ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"),
     "jemalloc": ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",),

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.launcher import TritonServer, start_server
+from backend.paths import REPO_ROOT
+from backend.server.launcher import TritonServer, start_server
 from client.stream import StreamingClient, StreamResult
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 RESULTS_DIR = REPO_ROOT / "perf" / "results"
 

@@ -36,14 +36,14 @@ import time
 from pathlib import Path
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
+from backend.paths import REPO_ROOT
 from backend.spec_decode.truncated_draft import build as build_draft
 from client.bench.report import MISSING_MATPLOTLIB, save_figure
 from perf.served import DEFAULT_MODEL_REPOSITORY, RESULTS_DIR, write_report
 from perf.workload import random_workload
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET = REPO_ROOT / "models" / "smollm2-135m-instruct"
 DRAFT = REPO_ROOT / "models" / "smollm2-135m-draft6"
 DRAFT_LAYERS = 6

@@ -1,7 +1,7 @@
 """Shared fixtures: the demo model (built once, deterministically) and the repository root.
 
 Fast tests run the served configuration on the tiny demo model: ``DEMO_REPOSITORY`` is
-model_repository with only the model parameters changed (backend/demo_model.py writes it).
+model_repository with only the model parameters changed (backend/models/demo_model.py writes it).
 """
 
 from __future__ import annotations
@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from backend.demo_model import DEMO_REPOSITORY  # noqa: F401  (re-exported for the tests)
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from backend.models.demo_model import DEMO_REPOSITORY  # noqa: F401  (re-exported for the tests)
 
 
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
-    from backend.demo_model import DEFAULT_OUT, build, write_demo_repository
+    from backend.models.demo_model import DEFAULT_OUT, build, write_demo_repository
 
     folder = build(DEFAULT_OUT)
     write_demo_repository()  # from this checkout's model_repository, so config edits are tested at once

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from backend.config import EngineConfig
-from backend.engine import EngineStats
+from backend.engine.outputs import EngineStats
 from backend.engine_core.core import DRAINING_MESSAGE, BusyError, busy_message, error_output
 from backend.engine_core.messages import AddRequest, CoreInput, CoreOutputs, CoreReady
 from backend.engine_core.process_handle import (

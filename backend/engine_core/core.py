@@ -3,7 +3,7 @@
 The in-thread `llm` loop (backend/triton/engine_loop.py), the engine-core process
 (backend/engine_core/core_process.py) and the in-process `llm_iterative` model all call
 ``iterate``; they differ only in where requests come from and where outputs go. Requests arrive
-checked and tokenized (backend/input_processor.py); what can only be checked against the model
+checked and tokenized (backend/engine/input_processor.py); what can only be checked against the model
 and the KV pool (the prompt's length) is checked here, and a refused request gets its final output
 with the error like any other. Single-threaded: whoever calls it owns the engine.
 """
@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import time
 
-from backend.engine import EngineStats, LLMEngine, RequestOutput
+from backend.engine.input_processor import EngineInputError
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.outputs import EngineStats, RequestOutput
+from backend.engine.request import FinishReason
 from backend.engine_core.messages import AddRequest
-from backend.input_processor import EngineInputError
-from backend.request import FinishReason
 
 logger = logging.getLogger(__name__)
 

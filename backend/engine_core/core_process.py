@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
     input_socket.connect(spec["input_address"])
     try:
         threads = bind_torch_threads()
-        from backend.engine import LLMEngine  # noqa: PLC0415
+        from backend.engine.llm_engine import LLMEngine  # noqa: PLC0415
         from backend.engine_core.core import EngineCore  # noqa: PLC0415
 
         engine = LLMEngine(spec["config"])

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
-from backend.engine import EngineStats, RequestOutput
-from backend.request import SamplingParams
+from backend.engine.outputs import EngineStats, RequestOutput
+from backend.engine.request import SamplingParams
 
 
 class AddRequest(msgspec.Struct, array_like=True):

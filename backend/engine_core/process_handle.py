@@ -26,10 +26,10 @@ import zmq
 from backend.config import EngineConfig
 from backend.engine_core.messages import CoreFailed, CoreInput, CoreReady, encoder, message_decoder
 from backend.engine_core.stub_watch import StubWatch
+from backend.paths import REPO_ROOT
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class CoreStartError(RuntimeError):
@@ -99,7 +99,7 @@ class CoreProcess:
         with open(os.path.join(self._workdir, "spec.pkl"), "wb") as handle:
             pickle.dump(spec, handle)
         env = dict(os.environ)
-        env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("PYTHONUTF8", "1")
         self.process = subprocess.Popen(
             [python_executable(), "-m", "backend.engine_core.core_process", self._workdir],

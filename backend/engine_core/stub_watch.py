@@ -15,7 +15,7 @@ tritonserver logs "Exit timeout expired. Exiting immediately." and then does not
 process (``python -m backend.engine_core.stub_watch PID SECONDS``, in the server's process group)
 SIGKILLs tritonserver when it is still there ``kill_after_seconds`` after the SIGTERM, and the core
 itself exits at once. Its supervisor (Docker's restart policy,
-Kubernetes, ``python -m backend.launcher``) starts it again. vLLM's API server does the same when
+Kubernetes, ``python -m backend.server.launcher``) starts it again. vLLM's API server does the same when
 its engine core dies: it shuts down so that its supervisor restarts it. ``on_stub_death: ignore``
 keeps the old behaviour.
 """
@@ -33,9 +33,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from backend.paths import REPO_ROOT
+
 logger = logging.getLogger("backend.engine_core")
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBE_TIMEOUT_SECONDS = 2.0
 POLL_SECONDS = 0.2
 

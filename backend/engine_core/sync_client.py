@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 
 from backend.config import EngineConfig
-from backend.engine import EngineStats, LLMEngine, RequestOutput
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.outputs import EngineStats, RequestOutput
 from backend.engine_core.client import DEFAULT_HEARTBEAT_TIMEOUT_SECONDS, START_TIMEOUT_SECONDS
 from backend.engine_core.core import EngineCore
 from backend.engine_core.messages import AddRequest, CoreInput, CoreOutputs, CoreReady

@@ -19,10 +19,10 @@ from concurrent.futures import Future
 
 import torch
 
+from backend.engine.request import Request
 from backend.kv_cache.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 from backend.kv_cache.offload.tier import StoredBlock
 from backend.models.shape import ceil_div
-from backend.request import Request
 
 
 class KVCacheManager:

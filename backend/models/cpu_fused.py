@@ -10,24 +10,17 @@ cores, with transformers' rounding order (so bfloat16 gives torch's values). The
 once ``LlamaForCausalLM.use_cpu_kernels`` hands it the loaded kernels; anything they do not take
 (another dtype, a non-contiguous tensor, another device) goes through torch as before.
 
-On by default with the CPU kernels; ``LLM_CPU_FUSED_OPS=0`` turns them off (to measure them). The
-first, scalar version (session 5) measured slower than torch's vectorized ops and stayed opt-in;
-this one is vectorized (AVX-512 or AVX2, bfloat16 rounding included): see perf/RESULTS.md.
+On by default with the CPU kernels; the config.pbtxt parameter ``cpu_fused_ops: false`` turns them
+off (``ModelConfig.cpu_fused_ops``; perf.compare's engine-no-fused-ops system measures that).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from backend.attention.cpu_kernel.profiling import kernel_label
 
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def fused_ops_enabled() -> bool:
-    return os.environ.get("LLM_CPU_FUSED_OPS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def takes(*tensors: torch.Tensor) -> bool:

@@ -5,7 +5,7 @@ Each proposing request has a shadow ``Request`` here that shares the target requ
 so the draft's KV manager sees the very tokens the target keeps; the draft's KV covers a prefix
 of them (``num_computed_tokens``). Round 1 feeds the tokens the draft has not seen yet (the
 whole prompt the first time, then usually the last one or two tokens) and samples proposal 1;
-round r feeds proposal r - 1 as a speculative token (backend/model_runner.py reads
+round r feeds proposal r - 1 as a speculative token (backend/engine/model_runner.py reads
 ``spec_token_ids``) and samples proposal r. All proposing requests run together in each round.
 Proposals are greedy (the draft's argmax) for greedy requests and drawn from the draft's processed
 distribution (the request's temperature, top-k, top-p, min-p) for sampled ones, which keeps those
@@ -24,10 +24,10 @@ import logging
 import torch
 
 from backend.config import CacheConfig, ConfigError, EngineConfig
+from backend.engine.model_runner import ModelRunner
+from backend.engine.request import Request, SamplingParams
+from backend.engine.sampler import Sampler
 from backend.kv_cache.manager import KVCacheManager
-from backend.model_runner import ModelRunner
-from backend.request import Request, SamplingParams
-from backend.sampler import Sampler
 from backend.spec_decode.verification import race
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, requests: list[Request], k: int) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """{request id: (up to k proposals, their draft distributions [n, vocab] or None when greedy)}."""
-        from backend.scheduler import ScheduledRequest  # noqa: PLC0415  (the scheduler imports the engine's config)
+        from backend.engine.scheduler import ScheduledRequest  # noqa: PLC0415  (the scheduler imports the engine's config)
 
         active = []
         for request in requests:

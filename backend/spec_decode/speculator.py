@@ -3,7 +3,7 @@
 1. ``propose(running)`` before the schedule: requests that decode next (one known token to
    compute) and may speculate get proposals (prompt lookup, or the draft model's k rounds), as many
    as the controller's k for this step allows, in ``request.spec_token_ids``. The scheduler fits
-   them into the token budget and the pool (backend/scheduler.py), else the request decodes as usual.
+   them into the token budget and the pool (backend/engine/scheduler.py), else the request decodes as usual.
 2. The model runner scores every position from the last known token on: 1 + k logits rows.
 3. ``verify(request, rows)`` turns those rows into the tokens to append (backend/spec_decode/
    verification.py: exact for greedy and sampled requests); the engine appends them one by one with
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.config import EngineConfig
-from backend.request import Request, RequestStatus
-from backend.sampler import Sampler
+from backend.engine.request import Request, RequestStatus
+from backend.engine.sampler import Sampler
 from backend.spec_decode.controller import SpeculationController, StepTimeModel
 from backend.spec_decode.ngram import NgramProposer
 from backend.spec_decode.verification import rejection_sample, verify_greedy, verify_seeded
@@ -64,7 +64,7 @@ def time_runner_steps(runner, num_tokens: int, tokens_per_sequence: int) -> floa
     """Seconds of one forward of ``num_tokens`` new tokens in sequences of ``tokens_per_sequence``,
     each after CALIBRATION_CONTEXT cached tokens, best of CALIBRATION_REPEATS. The KV goes to the
     null block 0 (never handed out; its content only has to stay finite)."""
-    from backend.scheduler import ScheduledRequest  # noqa: PLC0415
+    from backend.engine.scheduler import ScheduledRequest  # noqa: PLC0415
 
     scheduled, left, index = [], num_tokens, 0
     while left > 0:

@@ -18,7 +18,7 @@ import re
 import shutil
 from pathlib import Path
 
-from backend.model_folder import read_build_info, write_model_folder
+from backend.models.model_folder import read_build_info, write_model_folder
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 BUILDER_VERSION = 1

@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from backend.engine import LLMEngine
+from backend.engine.llm_engine import LLMEngine
 from backend.engine_core.core import DRAINING_MESSAGE, BusyError, EngineCore, busy_message
 from backend.engine_core.messages import AddRequest
 

@@ -138,8 +138,8 @@ def start_engine_core(client, model_name: str, tokenizer_dir: str):
     ConfigError naming why."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
+    from backend.engine.input_processor import InputProcessor  # noqa: PLC0415
     from backend.engine_core.process_handle import CoreStartError  # noqa: PLC0415
-    from backend.input_processor import InputProcessor  # noqa: PLC0415
 
     try:
         ready = client.start()

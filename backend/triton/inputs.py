@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.request import SamplingParams
+from backend.engine.request import SamplingParams
 from backend.structured_output.spec import (
     LEGACY_KEYS,
     StructuredOutputError,

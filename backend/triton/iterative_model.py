@@ -32,11 +32,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from backend.engine import RequestOutput
+from backend.engine.input_processor import EngineInputError
+from backend.engine.outputs import RequestOutput
 from backend.engine_core.client import empty_stats
 from backend.engine_core.core import DRAINING_MESSAGE
 from backend.engine_core.messages import AddRequest
-from backend.input_processor import EngineInputError
 from backend.triton.helpers import (
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
     engine_process_options,
@@ -81,7 +81,7 @@ class IterativeDriver:
 
     ``core`` is the engine: ``iterate(adds, aborts, step) -> (outputs, stats)`` and
     ``shutdown(message)`` (backend/engine_core/sync_client.py: in this process or in its own);
-    ``inputs`` checks, renders and tokenizes requests (backend/input_processor.py). Every method
+    ``inputs`` checks, renders and tokenizes requests (backend/engine/input_processor.py). Every method
     runs on the one thread that owns the engine (the model's worker thread), the cancellation
     reaper included: no lock.
     """
@@ -369,7 +369,7 @@ class TritonPythonModel:
         return core, start_engine_core(core, model_name, config.model.tokenizer_dir)
 
     def _start_in_process(self, config):
-        from backend.engine import LLMEngine  # noqa: PLC0415
+        from backend.engine.llm_engine import LLMEngine  # noqa: PLC0415
         from backend.engine_core.sync_client import InProcessCore  # noqa: PLC0415
 
         engine = LLMEngine(config)

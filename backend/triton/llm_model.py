@@ -1,7 +1,7 @@
 """The `llm` model: a decoupled Python model in front of the continuous-batching engine.
 
 How one request flows: ``execute()`` (Triton's thread) reads and checks its tensors
-(backend/triton/inputs.py, with the one check of backend/input_processor.py), renders chat
+(backend/triton/inputs.py, with the one check of backend/engine/input_processor.py), renders chat
 messages, tokenizes, and hands the request to the engine together with its response state. The
 engine runs in its own process by default (``engine_process: true``, backend/engine_core: the
 stub's threads then no longer share a GIL with the forward pass, and a crashing engine costs its
@@ -74,7 +74,7 @@ class TritonPythonModel:
 
     def _start_engine_thread(self):
         """``engine_process: false``: the engine on a thread of this process (debugging, comparison)."""
-        from backend.engine import LLMEngine  # noqa: PLC0415
+        from backend.engine.llm_engine import LLMEngine  # noqa: PLC0415
         from backend.triton.engine_loop import EngineLoop  # noqa: PLC0415
 
         engine = LLMEngine(self.config)
@@ -111,8 +111,8 @@ class TritonPythonModel:
         return None
 
     def _admit(self, request, sender) -> None:
+        from backend.engine.input_processor import EngineInputError  # noqa: PLC0415
         from backend.engine_core.messages import AddRequest  # noqa: PLC0415
-        from backend.input_processor import EngineInputError  # noqa: PLC0415
         from backend.triton.engine_loop import BusyError  # noqa: PLC0415
         from backend.triton.inputs import InputError, parse_request  # noqa: PLC0415
         from backend.triton.responder import ActiveRequest  # noqa: PLC0415

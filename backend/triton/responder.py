@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from backend.engine import RequestOutput
+from backend.engine.outputs import RequestOutput
 from backend.triton.engine_loop import EngineLoop
 from backend.triton.helpers import send_error
 from backend.triton.metrics import TritonMetrics

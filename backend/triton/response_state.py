@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.engine import RequestOutput
+from backend.engine.outputs import RequestOutput
 from backend.triton.helpers import build_response, send_error
 from backend.triton.inputs import ReturnOptions
 from backend.triton.metrics import TritonMetrics, record_finish, record_tokens

@@ -1,4 +1,4 @@
-"""The responses of a request with n > 1 samples (parallel sampling, backend/sequence_group.py).
+"""The responses of a request with n > 1 samples (parallel sampling, backend/engine/sequence_group.py).
 
 Streaming: each flush sends one response per sample that has new tokens (a response carries one
 sample's delta and its ``sequence_index``); the FINAL flag goes on the last response after every
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from backend.engine import RequestOutput
+from backend.engine.outputs import RequestOutput
 from backend.triton.helpers import build_response
 from backend.triton.return_outputs import (
     extra_tensors,

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from backend.paths import REPO_ROOT
 
 
 def git_state(repo: Path = REPO_ROOT) -> dict:
@@ -32,8 +32,7 @@ def git_state(repo: Path = REPO_ROOT) -> dict:
 
 
 RUNTIME_ENVIRONMENT = ("LD_PRELOAD", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "OMP_WAIT_POLICY",
-                       "GOMP_SPINCOUNT", "GOMP_CPU_AFFINITY", "KMP_AFFINITY", "KMP_BLOCKTIME", "MALLOC_ARENA_MAX",
-                       "LLM_CPU_FUSED_OPS")
+                       "GOMP_SPINCOUNT", "GOMP_CPU_AFFINITY", "KMP_AFFINITY", "KMP_BLOCKTIME", "MALLOC_ARENA_MAX")
 
 
 def runtime_settings() -> dict:

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from backend.paths import REPO_ROOT
+
 DEFAULT_CORPUS = REPO_ROOT / "data" / "demo_corpus.txt"
 MAX_CORPUS_CHARS = 300_000  # plenty of distinct slices; keeps start-up under a second
 MAX_ATTEMPTS = 64

@@ -12,7 +12,7 @@ Systems (same prompts, same forced output lengths, greedy, same dtype):
 * ``engine``: our engine in-process (perf.compare.engine_in_process), no server;
 * ``engine-torch-attention``: the same with ``attention_backend: torch`` (decode attention by
   gather + SDPA instead of the CPU kernels), and ``engine-no-fused-ops`` with
-  ``LLM_CPU_FUSED_OPS=0`` (torch's RMSNorm, SiLU x up and rotary instead of the fused kernels,
+  ``cpu_fused_ops: false`` (torch's RMSNorm, SiLU x up and rotary instead of the fused kernels,
   which are on by default), to measure each;
 * ``vllm``: vLLM's CPU build from ``make peers`` through its OpenAI streaming endpoint, with the
   same load generator (``--api openai``); run in the ``default`` and ``tuned`` setups
@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from backend.paths import REPO_ROOT
 from client.bench.arrivals import ArrivalPattern
 from client.bench.lengths import parse_length
 from client.bench.metadata import git_state, machine_info, now_iso
@@ -48,7 +49,6 @@ from client.bench.workload import build_workload
 from perf.compare.cpu_meter import CpuMeter
 from perf.compare.report import SystemResult, markdown_report, medians_report, write_plot
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 ALL_SYSTEMS = ("triton", "triton-thread", "engine", "engine-no-fused-ops", "engine-torch-attention", "vllm",
                "hf-continuous", "hf-static")
 
@@ -58,7 +58,7 @@ TRITON_THREAD_NAME = "In-thread engine, Triton llm (engine_process false)"
 
 def run_triton(args, items, warmup, pattern, in_thread: bool):
     """Our `llm` model in tritonserver: (completed, duration, CpuMeter, engine-core IPC summary or None)."""
-    from backend.launcher import start_server
+    from backend.server.launcher import start_server
     from perf.compare.histogram import histogram_median, scrape_histogram
     from perf.compare.repository import repository_with_overrides
 
@@ -186,18 +186,11 @@ def main(argv: list[str] | None = None) -> int:
             if system == "engine-torch-attention":  # the torch path: no CPU kernel at all
                 overrides["attention_backend"] = "torch"
                 name += ", torch attention"
-            fused = os.environ.get("LLM_CPU_FUSED_OPS")
             if system == "engine-no-fused-ops":  # the attention kernels, torch for the layers' small ops
-                os.environ["LLM_CPU_FUSED_OPS"] = "0"
+                overrides["cpu_fused_ops"] = "false"
                 name += ", no fused ops"
-            try:
-                records, duration, summary = run_engine_in_process(model_folder, token_requests, pattern,
-                                                                   overrides, args.seed, args.progress_interval)
-            finally:
-                if fused is None:
-                    os.environ.pop("LLM_CPU_FUSED_OPS", None)
-                else:
-                    os.environ["LLM_CPU_FUSED_OPS"] = fused
+            records, duration, summary = run_engine_in_process(model_folder, token_requests, pattern,
+                                                               overrides, args.seed, args.progress_interval)
             extra[system] = summary
             result = SystemResult.from_metrics(name, compute_metrics(records, duration),
                                                pattern.label, load=(load_before, os.getloadavg()[0]))

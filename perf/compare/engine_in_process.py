@@ -36,8 +36,8 @@ def run_engine_in_process(
     over the timed run, config).
     """
     from backend.config import engine_config_from_model_folder
-    from backend.engine import LLMEngine
-    from backend.request import SamplingParams
+    from backend.engine.llm_engine import LLMEngine
+    from backend.engine.request import SamplingParams
     from perf.engine_driver import EngineDriver
 
     config = engine_config_from_model_folder(model_folder, **(overrides or {}))

@@ -25,9 +25,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.launcher import free_port, stop_process_group
+from backend.paths import REPO_ROOT
+from backend.server.launcher import free_port, stop_process_group
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_VENV = REPO_ROOT / ".peers" / "vllm"
 SERVED_MODEL_NAME = "demo"
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from backend.config import parse_engine_config
-from backend.request import SamplingParams
+from backend.engine.request import SamplingParams
 
 MAX_TOKENS = 24
 
 
 def build_small_model(folder) -> str:
     """A 2-layer demo-style model, GQA 4 (also used by the CPU-emulated kernel parity test)."""
-    from backend.demo_model import DemoModelSpec, build
+    from backend.models.demo_model import DemoModelSpec, build
 
     spec = DemoModelSpec(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=2048)
@@ -44,7 +44,7 @@ def prompts() -> list[list[int]]:
 
 
 def greedy(model_dir: str, attention_backend: str, dtype: str) -> list[list[int]]:
-    from backend.engine import LLMEngine
+    from backend.engine.llm_engine import LLMEngine
 
     config = parse_engine_config(
         {

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.demo_model import DEMO_REPOSITORY, set_parameters
-from backend.launcher import start_server
+from backend.models.demo_model import DEMO_REPOSITORY, set_parameters
+from backend.server.launcher import start_server
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 MODEL_REPOSITORY = DEMO_REPOSITORY  # what the session's server serves
 
 

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
+from backend.paths import REPO_ROOT
 from client.batch.runner import BatchRunner, validate_json
 from client.stream import StreamingClient
-from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 

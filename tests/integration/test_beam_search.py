@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
 

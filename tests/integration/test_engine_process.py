@@ -20,9 +20,9 @@ import pytest
 import tritonclient.http as httpclient
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
-from backend.launcher import live_processes_in_group
-from backend.request import SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
+from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
 from tests.integration.test_llm_model import metric, read_metrics
@@ -192,18 +192,18 @@ def test_kill_9_of_the_stub_ends_every_stream_and_the_launcher_brings_the_server
     """Issue 20's stub crash. Triton 2.51 never restarts a decoupled model's stub, and nothing but
     the dead stub could answer its streams, so the core (its child) stops tritonserver once it
     sees the stub gone while the model still serves (backend/engine_core/stub_watch.py): every
-    stream ends with an error, the model is not ready meanwhile, `python -m backend.launcher`
+    stream ends with an error, the model is not ready meanwhile, `python -m backend.server.launcher`
     starts the server again and the next request gets the same greedy text as before."""
     import subprocess
     import sys
 
-    from backend.launcher import free_port, stop_process_group
+    from backend.server.launcher import free_port, stop_process_group
     from tests.integration.conftest import write_model_repository
 
     repo = write_model_repository(tmp_path / "repo", demo_model_dir, models=(model,))
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "backend.launcher", "--model-repository", str(repo), "--http-port", str(http_port),
+        [sys.executable, "-m", "backend.server.launcher", "--model-repository", str(repo), "--http-port", str(http_port),
          "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--", "--exit-timeout-secs=5"],
         stdout=open(tmp_path / "launcher.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
         start_new_session=True, cwd=str(MODEL_REPOSITORY.parent.parent))

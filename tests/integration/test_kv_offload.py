@@ -13,8 +13,8 @@ import random
 import pytest
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
 from tests.integration.test_llm_model import metric, read_metrics

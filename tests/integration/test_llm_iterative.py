@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend.config import engine_config_from_model_folder
-from backend.request import SamplingParams
+from backend.engine.request import SamplingParams
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
 from tests.integration.test_llm_model import (
@@ -30,7 +30,7 @@ MODEL = "llm_iterative"
 
 @pytest.fixture(scope="module")
 def offline_engine(demo_model_dir):
-    from backend.engine import LLMEngine
+    from backend.engine.llm_engine import LLMEngine
 
     return LLMEngine(engine_config_from_model_folder(str(MODEL_REPOSITORY / MODEL)))
 

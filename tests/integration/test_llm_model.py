@@ -12,7 +12,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from backend.config import engine_config_from_model_folder
-from backend.request import SamplingParams
+from backend.engine.request import SamplingParams
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
 
@@ -46,7 +46,7 @@ def metric(values: dict[str, float], name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def offline_engine(demo_model_dir):
     """The very engine the server builds, in-process, to compare outputs against."""
-    from backend.engine import LLMEngine
+    from backend.engine.llm_engine import LLMEngine
 
     return LLMEngine(engine_config_from_model_folder(str(MODEL_REPOSITORY / "llm")))
 

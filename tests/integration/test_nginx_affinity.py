@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from backend.launcher import free_port
+from backend.server.launcher import free_port
 from client.generate import main as generate_main
 from client.routing import SESSION_HEADER, prefix_routing_key, routing_headers
 from client.stream import StreamingClient

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.demo_model import DEFAULT_OUT as DEMO_MODEL
+from backend.models.demo_model import DEFAULT_OUT as DEMO_MODEL
 
 pytestmark = pytest.mark.integration
 

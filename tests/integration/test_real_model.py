@@ -11,9 +11,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from backend.config import engine_config_from_model_folder
-from backend.launcher import start_server
+from backend.paths import REPO_ROOT
+from backend.server.launcher import start_server
 from client.stream import StreamingClient
-from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 
 @pytest.fixture(scope="module")
 def real_server():
-    from backend.smollm2_model import build
+    from backend.models.smollm2_model import build
 
     build()  # made by make setup; a no-op then
     server = start_server(REPOSITORY, ready_timeout=300)

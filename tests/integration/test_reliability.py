@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 import tritonclient.http as httpclient
 
-from backend.launcher import live_processes_in_group
+from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]

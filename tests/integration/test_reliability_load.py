@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend.launcher import live_processes_in_group
+from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
 from tests.integration.test_llm_model import metric, read_metrics
 
@@ -217,7 +217,7 @@ def fuzzed_inputs(draw):
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory, demo_model_dir):
-    from backend.launcher import start_server
+    from backend.server.launcher import start_server
     from tests.integration.conftest import write_model_repository
 
     repo = write_model_repository(tmp_path_factory.mktemp("fuzz"), demo_model_dir, {"default_max_tokens": "4"})

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from backend.launcher import live_processes_in_group
+from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
 
 pytestmark = pytest.mark.integration

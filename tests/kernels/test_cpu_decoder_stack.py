@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from backend.attention.cpu_backend import CpuAttentionBackend
-from backend.model_runner import ModelRunner
+from backend.engine.model_runner import ModelRunner
+from backend.engine.request import Request, SamplingParams
+from backend.engine.scheduler import ScheduledRequest as Scheduled
 from backend.models.cpu_stack import CpuDecoderStack
 from backend.models.loader import load_model
-from backend.request import Request, SamplingParams
-from backend.scheduler import ScheduledRequest as Scheduled
 from tests.kernels.conftest import both_builds
 from tests.unit.random_models import get_random_model
 

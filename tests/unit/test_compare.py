@@ -9,12 +9,13 @@ import time
 
 import pytest
 
+from backend.paths import REPO_ROOT
 from client.bench.arrivals import ArrivalPattern
 from client.bench.stats import RequestRecord, compute_metrics
 from perf.compare.cpu_meter import CpuMeter
 from perf.compare.report import SystemResult, markdown_report
 from perf.compare.repository import repository_with_overrides
-from tests.conftest import DEMO_REPOSITORY, REPO_ROOT
+from tests.conftest import DEMO_REPOSITORY
 
 
 def _max_in_flight(records: list[RequestRecord]) -> int:

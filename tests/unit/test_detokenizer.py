@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from backend.detokenizer import IncrementalDetokenizer
+from backend.engine.detokenizer import IncrementalDetokenizer
 
 _SENTENCES = [
     "The café on the corner serves crème brûlée and piña colada — every day.",

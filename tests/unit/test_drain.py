@@ -9,11 +9,11 @@ import time
 import pytest
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
 from backend.engine_core.client import EngineCoreClient
 from backend.engine_core.core import BusyError
 from backend.engine_core.messages import AddRequest
-from backend.request import SamplingParams
 from backend.triton.drain import (
     UnloadWatcher,
     http_readiness_probe,

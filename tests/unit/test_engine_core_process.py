@@ -18,13 +18,14 @@ import time
 import pytest
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
 from backend.engine_core.client import EngineCoreClient
 from backend.engine_core.core import BusyError
 from backend.engine_core.messages import AddRequest
 from backend.engine_core.sync_client import CoreLost, SyncEngineCoreClient
-from backend.request import SamplingParams
-from tests.conftest import DEMO_REPOSITORY, REPO_ROOT
+from backend.paths import REPO_ROOT
+from tests.conftest import DEMO_REPOSITORY
 
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3,", "Hello", "A B C D E"]
 

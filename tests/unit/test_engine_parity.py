@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from backend.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
 from tests.unit.random_models import get_random_model
 
 NUM_PROMPTS = 16
@@ -117,9 +117,8 @@ def test_batched_greedy_equals_transformers(model_key, block_size, vocab, attent
     assert run_engine(engine, prompts) == expected
 
 
-def test_batched_greedy_with_the_fused_cpu_ops_equals_transformers(monkeypatch):
-    """The opt-in fused RMSNorm and SiLU x up (LLM_CPU_FUSED_OPS=1) keep float32 parity too."""
-    monkeypatch.setenv("LLM_CPU_FUSED_OPS", "1")
+def test_batched_greedy_with_the_fused_cpu_ops_equals_transformers():
+    """The fused RMSNorm and SiLU x up (cpu_fused_ops, on by default) keep float32 parity too."""
     prompts = make_prompts(8192, seed=1)
     expected = hf_reference("demo", tuple(map(tuple, prompts)))
     engine = build_engine("demo", attention="cpu")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
-from backend.request import FinishReason, SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import FinishReason, SamplingParams
 from tests.conftest import DEMO_REPOSITORY
 
 
@@ -39,7 +39,7 @@ def test_out_of_vocabulary_stop_token_ids_are_refused_at_the_door(demo_model_dir
     """Issue 20: one such id used to reach the sampler's min-tokens mask and fail every request in flight."""
     import pytest
 
-    from backend.engine import EngineInputError
+    from backend.engine.llm_engine import EngineInputError
 
     engine = _engine()
     vocab = engine.vocab_size

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from backend.engine import EngineStats, RequestOutput
-from backend.request import FinishReason
+from backend.engine.outputs import EngineStats, RequestOutput
+from backend.engine.request import FinishReason
 from backend.triton.iterative_model import IterativeDriver
 
 FINAL, RESCHEDULE = 1, 2

@@ -14,11 +14,11 @@ import random
 import pytest
 
 from backend.config import ConfigError, engine_config_from_model_folder
-from backend.demo_model import DEMO_REPOSITORY
-from backend.engine import LLMEngine
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
 from backend.kv_cache.block_pool import hash_block_tokens
 from backend.kv_cache.offload.disk_tier import file_name
-from backend.request import SamplingParams
+from backend.models.demo_model import DEMO_REPOSITORY
 
 rng = random.Random(19)
 PREFIX = [rng.randrange(10, 8000) for _ in range(200)]  # 12 full blocks of 16

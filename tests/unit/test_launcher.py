@@ -7,7 +7,12 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from backend.launcher import find_tritonserver, prepare_backend_directory, python_stub_tag, server_environment
+from backend.server.launcher import (
+    find_tritonserver,
+    prepare_backend_directory,
+    python_stub_tag,
+    server_environment,
+)
 
 
 def test_backend_directory_holds_the_stub_for_this_python(tmp_path):

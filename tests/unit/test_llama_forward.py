@@ -10,11 +10,11 @@ import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from backend.model_runner import ModelRunner
+from backend.engine.model_runner import ModelRunner
+from backend.engine.request import Request, SamplingParams
+from backend.engine.scheduler import ScheduledRequest as Scheduled
 from backend.models.loader import ModelLoadError, load_config, load_model
 from backend.models.rope import compute_inv_freq, get_rope_parameters
-from backend.request import Request, SamplingParams
-from backend.scheduler import ScheduledRequest as Scheduled
 from tests.unit.random_models import LLAMA3_ROPE, MODEL_SPECS, get_random_model, reference_logits
 
 CPU = torch.device("cpu")

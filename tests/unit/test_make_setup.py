@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+from backend.paths import REPO_ROOT
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")

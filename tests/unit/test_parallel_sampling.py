@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from backend.config import engine_config_from_model_folder
-from backend.demo_model import DEMO_REPOSITORY
-from backend.engine import LLMEngine
-from backend.input_processor import EngineInputError
-from backend.request import SamplingParams, SamplingParamsError
+from backend.engine.input_processor import EngineInputError
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams, SamplingParamsError
+from backend.models.demo_model import DEMO_REPOSITORY
 from backend.structured_output.spec import parse_structured_outputs
 
 PROMPT = list(range(300, 342))  # 42 tokens: 2 full blocks and a partial one of 10

@@ -6,10 +6,10 @@ their tokens (greedy, engine)."""
 from __future__ import annotations
 
 from backend.config import CacheConfig, SchedulerConfig, engine_config_from_model_folder
-from backend.engine import LLMEngine
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import Request, SamplingParams
+from backend.engine.scheduler import Scheduler
 from backend.kv_cache.manager import KVCacheManager
-from backend.request import Request, SamplingParams
-from backend.scheduler import Scheduler
 from tests.conftest import DEMO_REPOSITORY
 
 

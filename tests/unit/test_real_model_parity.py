@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from backend.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
-from tests.conftest import REPO_ROOT
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
+from backend.paths import REPO_ROOT
 
 NEAR_TIE = 1e-4
 MAX_TOKENS = 32
@@ -24,7 +24,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def real_model_dir():
-    from backend.smollm2_model import build
+    from backend.models.smollm2_model import build
 
     return build()  # made by make setup; a no-op then
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import EngineInputError, LLMEngine
-from backend.request import SamplingParams
+from backend.engine.llm_engine import EngineInputError, LLMEngine
+from backend.engine.request import SamplingParams
 from backend.triton.inputs import InputError, parse_request
 from tests.conftest import DEMO_REPOSITORY
 

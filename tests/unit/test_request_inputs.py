@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from backend.input_processor import InputProcessor
+from backend.engine.input_processor import InputProcessor
 from backend.triton.inputs import InputError, parse_request
 
 

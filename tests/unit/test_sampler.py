@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from backend.request import Request, SamplingParams
-from backend.sampler import Sampler, SamplerOutput
+from backend.engine.request import Request, SamplingParams
+from backend.engine.sampler import Sampler, SamplerOutput
 
 VOCAB = 64
 

@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backend.config import CacheConfig, SchedulerConfig
+from backend.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from backend.engine.scheduler import Scheduler
 from backend.kv_cache.manager import KVCacheManager
-from backend.request import FinishReason, Request, RequestStatus, SamplingParams
-from backend.scheduler import Scheduler
 
 FAKE_TOKEN = 7
 

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from backend import smollm2_model
-from backend.demo_model import files_digest
+from backend.models import smollm2_model
+from backend.models.demo_model import files_digest
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ import random
 import pytest
 
 from backend.config import ConfigError, engine_config_from_model_folder
-from backend.demo_model import DEMO_REPOSITORY
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
+from backend.models.demo_model import DEMO_REPOSITORY
 from backend.spec_decode.truncated_draft import build as build_truncated_draft
 from tests.unit.random_models import get_random_model
 

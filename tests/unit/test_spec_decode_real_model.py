@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
+from backend.paths import REPO_ROOT
 from backend.spec_decode.truncated_draft import build as build_truncated_draft
-from tests.conftest import REPO_ROOT
 
 NEAR_TIE = 1e-4
 MAX_TOKENS = 48
@@ -25,7 +25,7 @@ FOLDER = REPO_ROOT / "model_repository" / "llm"
 
 @pytest.fixture(scope="module")
 def real_model_dir():
-    from backend.smollm2_model import build
+    from backend.models.smollm2_model import build
 
     return build()  # made by make setup; a no-op then
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
 from tests.conftest import DEMO_REPOSITORY
 
 

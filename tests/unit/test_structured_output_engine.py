@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
-from backend.request import FinishReason, SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import FinishReason, SamplingParams
 from backend.structured_output.spec import StructuredOutputError, parse_structured_outputs
 from tests.conftest import DEMO_REPOSITORY
 

@@ -16,10 +16,10 @@ import jsonschema
 import pytest
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
-from backend.request import FinishReason, SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import FinishReason, SamplingParams
+from backend.paths import REPO_ROOT
 from backend.structured_output.spec import parse_structured_outputs
-from tests.conftest import REPO_ROOT
 from tests.unit.structured_output_schemas import SCHEMAS
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ MIN_FINISHED = 0.85  # of the schema requests that end with stop (measured here:
 
 @pytest.fixture(scope="module")
 def engine():
-    from backend.smollm2_model import build
+    from backend.models.smollm2_model import build
 
     build()  # made by make setup; a no-op then
     # float32, not the config's auto (bfloat16 on CPUs with AVX512_BF16): a request's tokens beside

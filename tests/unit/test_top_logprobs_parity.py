@@ -2,7 +2,7 @@
 
 The chosen token's logprob and the k best (ids and values) at every output position equal the
 log-softmax of transformers' float32 logits for the same tokens; with a penalty they follow the
-penalised distribution, which is what a request's sampler draws from (backend/sampler.py).
+penalised distribution, which is what a request's sampler draws from (backend/engine/sampler.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from backend.config import engine_config_from_model_folder
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
 from tests.conftest import DEMO_REPOSITORY
 
 PROMPTS = [[1, *range(100, 160)], [1, 7, 8, 9], [1, *range(400, 437)]]

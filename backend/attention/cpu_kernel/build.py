@@ -30,12 +30,13 @@ import tempfile
 import threading
 from pathlib import Path
 
+from backend.paths import REPO_ROOT
+
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "paged_decode.cpp", HERE / "paged_prefill.cpp", HERE / "fused_ops.cpp", HERE / "token_bitmask.cpp"]
 HEADERS = [HERE / "simd.h"]
-REPO_ROOT = Path(__file__).resolve().parents[3]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 LIBRARY_NAME = "libllm_cpu_kernels.so"
 

@@ -10,7 +10,7 @@ LD_LIBRARY_PATH with libpython's folder and the wheel's bundled libraries.
 Stopping sends SIGTERM, then kills the whole process group after a timeout: a server with live
 decoupled streams was seen not to exit, and its stub processes must not outlive it.
 
-Command line (``make serve``): ``python -m backend.launcher [--model-repository DIR] [--restart
+Command line (``make serve``): ``python -m backend.server.launcher [--model-repository DIR] [--restart
 always|never] [-- extra tritonserver args]``; HTTP_PORT, GRPC_PORT, METRICS_PORT and
 MODEL_REPOSITORY are honoured. It restarts a server that exits on its own (see ``main``).
 """
@@ -33,7 +33,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from backend.paths import REPO_ROOT
+
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
 
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         split = argv.index("--")
         argv, extra = argv[:split], argv[split + 1 :]
-    parser = argparse.ArgumentParser(prog="python -m backend.launcher", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m backend.server.launcher", description=main.__doc__)
     parser.add_argument("--model-repository", default=os.environ.get("MODEL_REPOSITORY", str(DEFAULT_MODEL_REPOSITORY)))
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
     parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))

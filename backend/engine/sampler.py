@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.request import Request, SamplingParams
+from backend.engine.request import Request, SamplingParams
 
 
 @dataclass(slots=True)

@@ -26,8 +26,8 @@ import torch
 
 from backend.attention.base import AttentionMetadata
 from backend.config import CacheConfig, ConfigError, ModelConfig
+from backend.engine.sampler import chosen_logprobs
 from backend.models.shape import ModelShape, ceil_div
-from backend.sampler import chosen_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,9 @@ PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits exist at once (256 x
 
 
 class ScheduledLike(Protocol):
-    """What the runner reads of a scheduled request (backend.scheduler.ScheduledRequest)."""
+    """What the runner reads of a scheduled request (backend.engine.scheduler.ScheduledRequest)."""
 
-    request: object  # backend.request.Request: all_token_ids, num_tokens
+    request: object  # backend.engine.request.Request: all_token_ids, num_tokens
     num_new_tokens: int
     num_computed_tokens: int  # snapshot before this step
     block_ids: list[int]  # the request's whole block table
@@ -137,7 +137,6 @@ class ModelRunner:
         Raises ConfigError naming the parameter when the model cannot be served as configured.
         """
         from backend.attention.selector import get_attention_backend  # noqa: PLC0415
-        from backend.models.cpu_fused import fused_ops_enabled as cpu_fused_ops_enabled  # noqa: PLC0415
         from backend.models.loader import ModelLoadError, load_config, load_model, resolve_dtype  # noqa: PLC0415
 
         device = resolve_device(model_config.device)
@@ -157,7 +156,7 @@ class ModelRunner:
             raise ConfigError(str(exc)) from None
         model, _ = load_model(model_config.model_dir, dtype, device, attention_backend, model_config.max_model_len)
         kernels = getattr(attention_backend, "kernel", None)  # the CPU kernels, when attention uses them
-        fused = kernels is not None and cpu_fused_ops_enabled()
+        fused = kernels is not None and model_config.cpu_fused_ops
         if fused:
             model.use_cpu_kernels(kernels)
         bytes_per_block = model.shape.kv_cache_bytes_per_block(cache_config.block_size, dtype)

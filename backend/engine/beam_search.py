@@ -12,7 +12,7 @@ can beat the worst finished one (``early_stopping`` False: judged at the current
 finished hypotheses, best first. ``beam_width`` 1 is greedy.
 
 Only tokens and scores live here; which engine requests hold which beam's KV blocks (forks,
-copy-on-write, frees) is the engine's side (backend/engine.py, ``_beam_step``).
+copy-on-write, frees) is the engine's side (backend/engine/llm_engine.py, ``_beam_step``).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class SamplingParams:
     priority: int = 0  # with scheduling_policy priority: lower runs first (vLLM's convention)
     prompt_logprobs: int | None = None  # 0: the logprob of every prompt token given the ones before it (vLLM's key)
     n: int = 1  # parallel samples (TensorRT-LLM: num_return_sequences); sample i > 0 is seeded seed + i
-    beam_width: int = 1  # > 1: beam search (backend/beam_search.py), returning the best n beams
+    beam_width: int = 1  # > 1: beam search (backend/engine/beam_search.py), returning the best n beams
     length_penalty: float = 1.0  # beam search: a hypothesis scores sum logprob / length ** this
     early_stopping: bool | str = False  # beam search: True, False or "never", as transformers
     num_speculative_tokens: int | None = None  # speculative decoding: at most this many per step; 0: off; None: config's
@@ -198,7 +198,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     output_logprob_ranks: list[int] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    detokenizer: object | None = None  # backend.detokenizer.IncrementalDetokenizer, set by the engine
+    detokenizer: object | None = None  # backend.engine.detokenizer.IncrementalDetokenizer, set by the engine
     generator: object | None = None  # torch.Generator of a seeded request, made by the sampler on first use
     block_hashes: list = field(default_factory=list)  # chained hashes of full blocks (tokens never change)
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache (0 again after a free)
@@ -208,9 +208,9 @@ class Request:
     prompt_logprobs_sent: bool = False
     # Parallel sampling (n > 1): the request's samples share one SequenceGroup; this is sample
     # ``sequence_index`` of it (sample 0 computes the prompt, the others fork its blocks).
-    group: object | None = None  # backend.sequence_group.SequenceGroup
+    group: object | None = None  # backend.engine.sequence_group.SequenceGroup
     sequence_index: int = 0
-    beam: object | None = None  # backend.beam_group.BeamGroup: this request is one running beam of it
+    beam: object | None = None  # backend.engine.beam_group.BeamGroup: this request is one running beam of it
     # Speculative decoding (backend/spec_decode): this step's proposed tokens, verified after the
     # known ones in the same forward; with a draft model's sampled proposals, their distributions.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -241,3 +241,12 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def child(self, request_id: str, sampling_params: SamplingParams) -> Request:
+        """A request that continues this one from its tokens so far (a forked sample or beam): same
+        prompt, tokens and timings; the scheduler shares its KV blocks (``Scheduler.add_forked``)."""
+        child = Request(request_id, list(self.prompt_token_ids), sampling_params, eos_token_id=self.eos_token_id,
+                        arrival_time=self.arrival_time)
+        child.all_token_ids = list(self.all_token_ids)
+        child.first_scheduled_time, child.num_cached_tokens = self.first_scheduled_time, self.num_cached_tokens
+        return child

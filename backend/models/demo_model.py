@@ -11,7 +11,7 @@ It also writes ``models/demo-repository``: the served model repository (``llm``,
 tests and quick benchmarks run the very configuration users get, on the tiny model. It is rewritten
 from ``model_repository`` on every run (a copy, byte-identical for the same inputs).
 
-Usage: ``python -m backend.demo_model [--out models/demo-llama] [--force]``
+Usage: ``python -m backend.models.demo_model [--out models/demo-llama] [--force]``
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from backend.model_folder import parse_build_args, read_build_info, write_model_folder
+from backend.models.model_folder import parse_build_args, read_build_info, write_model_folder
+from backend.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "models" / "demo-llama"
 CORPUS = REPO_ROOT / "data" / "demo_corpus.txt"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
@@ -175,7 +175,7 @@ def write_demo_repository(dest: Path = DEMO_REPOSITORY, source: Path = MODEL_REP
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_build_args("python -m backend.demo_model", __doc__.splitlines()[0], DEFAULT_OUT, argv)
+    args = parse_build_args("python -m backend.models.demo_model", __doc__.splitlines()[0], DEFAULT_OUT, argv)
     build(args.out, force=args.force)
     write_demo_repository()
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from backend.request import SamplingParams, SamplingParamsError
+from backend.engine.request import SamplingParams, SamplingParamsError
 from backend.structured_output.spec import StructuredOutputError, check_spec
 
 CHECKED_CONSTRAINTS = 256  # constraints remembered as valid, so a repeated schema is checked once

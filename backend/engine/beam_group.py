@@ -1,7 +1,7 @@
 """The engine's side of one beam-search request: which requests hold which running beam.
 
 Each running beam is an engine request of its own (its tokens, its block table). A beam step
-(backend/beam_search.py) needs the next-token log-probabilities of every running beam, so rows
+(backend/engine/beam_search.py) needs the next-token log-probabilities of every running beam, so rows
 are kept here as their beams compute them (a preempted beam recomputes and brings its row later)
 and the step runs once all are in. Then new beam j continues old beam ``parents[j]``: the first
 new beam of a parent takes over its request, each further one forks it (its blocks shared,
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.beam_search import BeamSearch
+from backend.engine.beam_search import BeamSearch
 
 
 def beam_request_id(request_id: str, number: int) -> str:
@@ -27,10 +27,19 @@ class BeamGroup:
     request_id: str  # the client's
     search: BeamSearch
     n: int  # hypotheses returned
-    beams: list = field(default_factory=list)  # backend.request.Request per running beam (None: not forked yet)
+    beams: list = field(default_factory=list)  # backend.engine.request.Request per running beam (None: not forked yet)
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # running beam index -> [vocab] log-probs
     num_created: int = 1  # requests made for beams so far (for their ids)
     finished: bool = False
+
+    @classmethod
+    def start(cls, request, params) -> BeamGroup:
+        """The group of a new beam-search request: ``request`` is beam 0, the others fork from it
+        at its first token."""
+        eos = () if params.ignore_eos or request.eos_token_id is None else (request.eos_token_id,)
+        search = BeamSearch(params.beam_width, params.max_tokens, tuple(dict.fromkeys((*eos, *params.stop_token_ids))),
+                            params.length_penalty, params.early_stopping)
+        return cls(request.request_id, search, params.n, [request] + [None] * (params.beam_width - 1))
 
     @property
     def first_step(self) -> bool:

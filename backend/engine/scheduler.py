@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backend.config import CacheConfig, SchedulerConfig
+from backend.engine.outputs import StepStats
+from backend.engine.request import FinishReason, Request, RequestStatus
 from backend.kv_cache.manager import KVCacheManager
 from backend.models.shape import ceil_div
-from backend.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -56,6 +58,19 @@ class SchedulerOutput:
     num_scheduled_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)  # this step; now waiting again
 
+    def step_stats(self) -> StepStats:
+        """Token counts of the step: a decode is one new token after the prompt, the rest is prefill."""
+        stats = StepStats(num_seqs=len(self.scheduled), num_preempted=len(self.preempted))
+        for item in self.scheduled:
+            if item.spec_token_ids:  # a decode with proposals to verify
+                stats.num_decode_tokens += item.num_new_tokens
+                stats.num_spec_tokens += len(item.spec_token_ids)
+            elif item.num_new_tokens == 1 and item.request.num_prompt_tokens <= item.num_computed_tokens:
+                stats.num_decode_tokens += 1
+            else:
+                stats.num_prefill_tokens += item.num_new_tokens
+        return stats
+
 
 def priority_key(request: Request) -> tuple[int, float]:
     """Lower runs first: the request's priority, then its arrival."""
@@ -71,7 +86,10 @@ class Scheduler:
         cache_config: CacheConfig,
         max_model_len: int,
         kv_cache_manager: KVCacheManager,
+        is_held: Callable[[Request], bool] | None = None,
     ) -> None:
+        """``is_held(request)``: a waiting request that must not start yet (its grammar still
+        compiles, or it is a beam whose next step waits for its siblings); the engine says which."""
         if cache_config.block_size != kv_cache_manager.block_size:
             raise ValueError(
                 f"block_size mismatch: cache_config {cache_config.block_size}, "
@@ -85,6 +103,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0  # total since start
         self.priority_policy = scheduler_config.scheduling_policy == "priority"
+        self.is_held = is_held or (lambda request: False)
 
     # ----- queue state --------------------------------------------------------------------------
     @property
@@ -135,6 +154,24 @@ class Scheduler:
         assert self.rejection_reason(request) is None, (request.request_id, self.rejection_reason(request))
         request.status = RequestStatus.WAITING
         self._enqueue(request)
+
+    def add_forked(self, parent: Request, child: Request) -> None:
+        """A sample or beam forked from ``parent`` (backend/engine/output_processor.py): a running
+        parent shares its blocks with the child, which runs from the next step; a preempted parent's
+        child waits and recomputes, as the parent will."""
+        if parent.status == RequestStatus.RUNNING:
+            child.status = RequestStatus.RUNNING
+            self.kv_cache_manager.fork(parent, child)
+            self.running.append(child)
+        else:
+            self.add_request(child)
+
+    def rollback_speculation(self, request: Request) -> None:
+        """Forgets the KV past the request's known tokens: the slots of rejected (or never
+        verified) proposals. The last known token's KV comes with the next step. The one place a
+        request's KV is cut back."""
+        request.num_computed_tokens = request.num_tokens - 1
+        self.kv_cache_manager.trim(request, request.num_tokens)
 
     def abort_request(self, request: Request) -> bool:
         """Aborts a waiting or running request (freeing its blocks); False when it is not here.
@@ -213,13 +250,13 @@ class Scheduler:
         return freed
 
     def _preempt_an_idle_request(self, output: SchedulerOutput) -> None:
-        """Nothing could run and requests wait: a running beam with nothing to compute (its next
-        step waits for a sibling's log-probabilities; it keeps its own) holds blocks that
+        """Nothing could run and requests wait: a running request with nothing to compute (a beam
+        whose next step waits for a sibling's log-probabilities; it keeps its own) holds blocks that
         the waiting ones need. The newest such request gives them up (it recomputes later), so the
         waiting sibling can come in; without this the two would wait for each other for good."""
         for index in range(len(self.running) - 1, -1, -1):
             request = self.running[index]
-            if request.beam is not None and request.num_computed_tokens >= request.num_tokens:
+            if request.num_computed_tokens >= request.num_tokens:
                 del self.running[index]
                 self._preempt(request)
                 output.preempted.append(request)
@@ -239,7 +276,7 @@ class Scheduler:
         if not spec or kv.allocate_slots(request, 1 + len(spec)) is None:
             return []
         if kv.num_free_blocks < num_after:
-            kv.trim(request, request.num_computed_tokens + 1)  # give the proposals' blocks back
+            self.rollback_speculation(request)  # give the proposals' blocks back
             return []
         return spec
 
@@ -247,13 +284,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Picks this step's tokens and allocates their slots; advances ``num_computed_tokens``."""
         config = self.scheduler_config
-        kv = self.kv_cache_manager
-        token_budget = config.max_num_batched_tokens
         output = SchedulerOutput()
-        scheduled = output.scheduled
+        token_budget = self._schedule_running(output, config.max_num_batched_tokens)
+        token_budget = self._schedule_waiting(output, token_budget)
+        # The KV of the scheduled tokens counts as computed once this step runs.
+        for item in output.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+        output.num_scheduled_tokens = config.max_num_batched_tokens - token_budget
+        return output
 
-        # 1. Running requests, oldest first (priority policy: highest priority first); preempt from
-        # the end (the newest, or the lowest priority) when blocks run out.
+    def _schedule_running(self, output: SchedulerOutput, token_budget: int) -> int:
+        """Running requests, oldest first (priority policy: highest priority first); preempts from
+        the end (the newest, or the lowest priority) when blocks run out. Returns the budget left."""
+        kv = self.kv_cache_manager
+        scheduled = output.scheduled
         if self.priority_policy:
             self.running.sort(key=priority_key)
         req_index = 0
@@ -285,21 +329,22 @@ class Scheduler:
             )
             token_budget -= num_new_tokens
             req_index += 1
+        return token_budget
 
-        # 2. Waiting requests in arrival order (preempted ones sit at the front); under the priority
-        # policy in (priority, arrival) order, and a waiting request may preempt a running one of a
-        # lower priority for its seat or its blocks. Like vLLM, admit none in a step that had to
-        # preempt for running requests: the pool is short of blocks. A request whose grammar is
-        # still compiling is stepped over (it keeps its place for the next step).
+    def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> int:
+        """Waiting requests in arrival order (preempted ones sit at the front); under the priority
+        policy in (priority, arrival) order, and a waiting request may preempt a running one of a
+        lower priority for its seat or its blocks. Like vLLM, admits none in a step that had to
+        preempt for running requests: the pool is short of blocks. A held request (``is_held``) or
+        one whose KV still loads from the offload tier is stepped over (it keeps its place for the
+        next step). Returns the budget left."""
+        config = self.scheduler_config
+        kv = self.kv_cache_manager
         blocks_short = bool(output.preempted)
-        stepped_over: list[Request] = []  # grammar compiling, or KV loading from the offload tier
+        stepped_over: list[Request] = []
         while self.waiting and not blocks_short and token_budget > 0:
             request = self.waiting[0]
-            if request.grammar is not None and not request.grammar.ready:
-                stepped_over.append(self.waiting.popleft())
-                continue
-            if request.beam is not None and request.beam.has_row(request):
-                # a preempted beam whose log-probabilities are in: nothing to do before its group's step
+            if self.is_held(request):
                 stepped_over.append(self.waiting.popleft())
                 continue
             if len(self.running) >= config.max_num_seqs:
@@ -334,25 +379,21 @@ class Scheduler:
                 token_budget += freed
                 continue
             kv.place_restored(request, len(computed_blocks), restored)
-            self.waiting.popleft()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
-            if request.first_scheduled_time is None:  # first scheduling, not a resumed preemption
-                request.num_cached_tokens = num_hit_tokens
-                request.first_scheduled_time = time.monotonic()
-            scheduled.append(
-                ScheduledRequest(
-                    request, num_new_tokens, num_hit_tokens, kv.get_block_ids(request.request_id)
-                )
-            )
+            self._start_running(request, num_hit_tokens)
+            output.scheduled.append(
+                ScheduledRequest(request, num_new_tokens, num_hit_tokens, kv.get_block_ids(request.request_id)))
             token_budget -= num_new_tokens
-        if not scheduled and self.waiting:  # (stepped-over requests are out of self.waiting here)
+        if not output.scheduled and self.waiting:  # (stepped-over requests are out of self.waiting here)
             self._preempt_an_idle_request(output)  # a waiting request could run but has no room
         self.waiting.extendleft(reversed(stepped_over))
+        return token_budget
 
-        # 3. The KV of the scheduled tokens counts as computed once this step runs.
-        for item in scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-        output.num_scheduled_tokens = config.max_num_batched_tokens - token_budget
-        return output
+    def _start_running(self, request: Request, num_hit_tokens: int) -> None:
+        """The head of the waiting queue moves to the running list with its prefix hit computed."""
+        self.waiting.popleft()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.first_scheduled_time is None:  # first scheduling, not a resumed preemption
+            request.num_cached_tokens = num_hit_tokens
+            request.first_scheduled_time = time.monotonic()

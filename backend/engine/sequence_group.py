@@ -27,7 +27,7 @@ def sequence_request_id(request_id: str, index: int) -> str:
 class SequenceGroup:
     request_id: str  # the client's
     n: int
-    sequences: list = field(default_factory=list)  # backend.request.Request, by sequence_index
+    sequences: list = field(default_factory=list)  # backend.engine.request.Request, by sequence_index
     forked: bool = False
     num_finished: int = 0
     finished: bool = False  # every sample ended, or the request was aborted or failed

@@ -1,0 +1,100 @@
+"""What the engine returns: per-request outputs, step and engine statistics, offline results.
+
+These travel to other processes (backend/engine_core/messages.py) and are read by Triton's stub
+processes, which never load torch: this module imports nothing heavier than the request's enums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backend.engine.request import FinishReason
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: new tokens, their text, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # the new text (a delta); on the final output also any held-back text
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None
+    logprobs: list[float] | None = None  # of new_token_ids, when the request asked for logprobs
+    logprob_ranks: list[int] | None = None  # of new_token_ids (1 = the most likely token)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (token id, logprob) x top_logprobs
+    prompt_logprobs: list[float] | None = None  # with prompt_logprobs, on the first output: of prompt tokens 1..n-1
+    arrival_time: float = 0.0
+    sequence_index: int = 0  # which sample of an n > 1 request (backend/engine/sequence_group.py)
+    sequence_finished: bool = False  # this sample's last output (``finished``: the whole request's)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one step did (vLLM returns scheduler statistics with every step, too)."""
+
+    num_seqs: int = 0  # requests scheduled
+    num_prefill_tokens: int = 0  # tokens of prompt chunks (and of preempted requests recomputing)
+    num_decode_tokens: int = 0  # one per request decoding its next token
+    num_preempted: int = 0  # requests preempted to make room (now waiting again)
+    num_sampled: int = 0  # requests that got a token
+    num_spec_tokens: int = 0  # proposed tokens verified in this step (counted in num_decode_tokens)
+    timings: dict[str, float] | None = None  # seconds per phase, when step(timings=True)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    outputs: list[RequestOutput]
+    stats: StepStats
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable blocks referenced by requests
+    num_kv_blocks: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    grammar_compiles: int = 0  # structured-output constraints compiled (cache misses)
+    grammar_cache_hits: int = 0  # constrained requests whose grammar was compiled (or compiling) already
+    grammar_compile_seconds: list[float] = field(default_factory=list)  # compiles finished since the last stats()
+    # The KV offload tier (backend/kv_cache/offload/offloader.py: OffloadStats), cumulative:
+    kv_shared_blocks: int = 0  # blocks saved by sharing (prefix hits, forked samples): references beyond the first
+    kv_offload_stored_blocks: int = 0
+    kv_offload_stored_bytes: int = 0
+    kv_offload_restored_blocks: int = 0
+    kv_offload_restored_bytes: int = 0
+    kv_offload_hits: int = 0  # blocks
+    kv_offload_misses: int = 0  # blocks
+    kv_offload_recomputed_blocks: int = 0  # in the tier, recomputed by the cost rule's choice
+    kv_offload_dropped_blocks: int = 0  # the write queue was full
+    kv_offload_load_seconds: list[float] = field(default_factory=list)  # loads finished since the last stats()
+    # Speculative decoding (backend/spec_decode/speculator.py: SpecDecodeStats), cumulative:
+    spec_decode_num_draft_tokens: int = 0  # proposals verified
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: list[int] = field(default_factory=list)  # [k]: proposal i accepted
+    spec_decode_num_steps: int = 0  # steps with a request that could speculate
+    spec_decode_num_speculated_steps: int = 0  # of those, the steps the controller let speculate
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """The whole result of one request from ``generate()``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    error: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None  # with prompt_logprobs: of prompt tokens 1..n-1
+    samples: list[GenerationResult] = field(default_factory=list)  # all n samples (this one first)

@@ -1,0 +1,1 @@
+"""Starting and stopping a real tritonserver on the model repository (``launcher``)."""
