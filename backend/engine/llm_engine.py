@@ -37,6 +37,7 @@ from backend.engine.request import Request, SamplingParams
 from backend.engine.sampler import Sampler
 from backend.engine.scheduler import Scheduler
 from backend.engine.step_clock import PhaseClock
+from backend.engine.tokenizer import load_tokenizer
 from backend.kv_cache.manager import KVCacheManager
 from backend.kv_cache.offload.block_io import PagedBlockIO
 from backend.kv_cache.offload.from_config import build_offloader
@@ -61,12 +62,10 @@ class LLMEngine:
 
         Raises ConfigError naming the parameter when the model cannot be served as configured.
         """
-        from transformers import AutoTokenizer  # noqa: PLC0415
-
         self.config = config
         torch.manual_seed(config.model.seed)
         self.model_runner = runner or ModelRunner.load(config.model, config.cache, config.scheduler.max_num_seqs)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_dir)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_dir)
         self.max_model_len = config.model.max_model_len
         self.vocab_size = self.model_runner.shape.vocab_size
         self.eos_token_id = self._eos_token_id()

@@ -1,43 +1,36 @@
 """The body of every serving loop around an ``LLMEngine``: new requests, aborts, draining, one step.
 
-The in-thread `llm` loop (backend/triton/engine_loop.py), the engine-core process
-(backend/engine_core/core_process.py) and the in-process `llm_iterative` model all call
-``iterate``; they differ only in where requests come from and where outputs go. Requests arrive
-checked and tokenized (backend/engine/input_processor.py); what can only be checked against the model
-and the KV pool (the prompt's length) is checked here, and a refused request gets its final output
-with the error like any other. Single-threaded: whoever calls it owns the engine.
+The in-thread `llm` client (backend/engine_core/in_thread.py), the engine-core process
+(backend/engine_core/core_process.py) and the in-process transport of `llm_iterative`
+(backend/engine_core/step_on_demand.py) all call ``iterate``; they differ only in where requests
+come from and where outputs go. Whether a request is taken at all (busy, draining) was decided in
+the front end (backend/engine_core/admission.py); the drain's deadline is kept here. Requests
+arrive checked and tokenized (backend/engine/input_processor.py); what can only be checked against
+the model and the KV pool (the prompt's length) is checked here, and a refused request gets its
+final output with the error like any other. Single-threaded: whoever calls it owns the engine.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from backend.engine.input_processor import EngineInputError
-from backend.engine.llm_engine import LLMEngine
 from backend.engine.outputs import EngineStats, RequestOutput
 from backend.engine.request import FinishReason
 from backend.engine_core.messages import AddRequest
 
+if TYPE_CHECKING:  # the engine (and torch) is imported by whoever makes one: never by the stub
+    from backend.engine.llm_engine import LLMEngine
+
 logger = logging.getLogger(__name__)
 
 
-class BusyError(RuntimeError):
-    """More requests wait than max_queue_len allows, or the engine takes none now (draining, restarting)."""
-
-
-DRAINING_MESSAGE = "shutting down (server stop or model unload): not accepting new requests"
-
-
-def busy_message(waiting: int, max_queue_len: int) -> str:
-    return f"server busy: {waiting} requests are waiting (max_queue_len={max_queue_len}); retry later"
-
-
-def error_output(request_id: str, message: str, arrival_time: float = 0.0,
-                 reason: FinishReason = FinishReason.ERROR) -> RequestOutput:
+def error_output(request_id: str, message: str, arrival_time: float = 0.0) -> RequestOutput:
     """The final output of a request that ends without (more) tokens."""
     return RequestOutput(
-        request_id=request_id, new_token_ids=[], text="", finished=True, finish_reason=reason,
+        request_id=request_id, new_token_ids=[], text="", finished=True, finish_reason=FinishReason.ERROR,
         num_prompt_tokens=0, num_output_tokens=0, error=message, arrival_time=arrival_time,
     )
 

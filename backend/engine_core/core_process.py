@@ -2,7 +2,7 @@
 
 Started by the front end (backend/engine_core/process_handle.py) with the front end's own
 interpreter. It owns the engine (runner, scheduler, KV cache, sampler; detokenization and stop
-strings too, see ``client``'s docstring for why) and runs one loop on its main thread:
+strings too, see ``process_client``'s docstring for why) and runs one loop on its main thread:
 
 1. take every message waiting on the input socket (without waiting when there is work);
 2. ``EngineCore.iterate``: adds, aborts, the drain deadline, one step;

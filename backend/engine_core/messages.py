@@ -1,7 +1,7 @@
 """The messages between the front end (Triton's stub process) and the engine-core process.
 
-msgpack via msgspec: typed decoding (a bad frame fails loudly), and about 90 us to encode and
-decode a step of 64 outputs (measured here). Batched both ways: one ``CoreInput`` carries every
+msgpack via msgspec: typed decoding (a bad frame fails loudly), and cheap to encode and decode
+next to a step (perf/RESULTS.md). Batched both ways: one ``CoreInput`` carries every
 request the front end got since its last message, one ``CoreOutputs`` every request's new tokens
 of a step. Times are ``time.monotonic()`` seconds, one clock for every process of the machine.
 """

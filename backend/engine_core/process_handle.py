@@ -30,6 +30,8 @@ from backend.paths import REPO_ROOT
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 60.0  # a slow step (a long prefill on a big model) is not a hang
+START_TIMEOUT_SECONDS = 600.0  # loading a model
 
 
 class CoreStartError(RuntimeError):
@@ -70,7 +72,6 @@ class CoreProcess:
         self.autostep = autostep  # False: the core steps only when a CoreInput asks (llm_iterative)
         self.stub_watch = stub_watch  # what the core does if this process dies under it (stub_watch.py)
         self.process: subprocess.Popen | None = None
-        self.ready: CoreReady | None = None
         self._context = zmq.Context.instance()
         self._encode = encoder().encode
         self._decode = message_decoder().decode
@@ -109,7 +110,6 @@ class CoreProcess:
         while True:
             message = self.receive(0.2)
             if isinstance(message, CoreReady):
-                self.ready = message
                 logger.info("engine core %d ready (%d KV blocks)", message.pid, message.num_kv_blocks)
                 return message
             if isinstance(message, CoreFailed):
@@ -139,12 +139,6 @@ class CoreProcess:
         if self._output is None or not self._output.poll(timeout * 1000):
             return None
         return self._decode(self._output.recv(copy=False).buffer)
-
-    def receive_nowait(self):
-        try:
-            return self._decode(self._output.recv(zmq.NOBLOCK, copy=False).buffer)
-        except zmq.Again:
-            return None
 
     @property
     def pid(self) -> int | None:

@@ -3,7 +3,7 @@
 Triton 2.51's Python backend restarts the stub of a non-decoupled model on its next request, but
 never the stub of a decoupled one (python_backend's ``TRITONBACKEND_ModelInstanceExecute``: "TODO:
 Implement restart on decoupled"; server#7862). Measured here: after a SIGKILL of the `llm` stub,
-its streams hang for good (over 90 s, and still after an unload and a load), the model stays
+its streams hang for good (still after an unload and a load), the model stays
 READY, and every new request hangs too: the response factories live in tritonserver, and no
 process but the dead stub can answer them. Only tritonserver's exit ends those streams.
 

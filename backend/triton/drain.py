@@ -5,7 +5,7 @@ requests at its front ends, marks every model UNLOADING and waits (``--exit-time
 default) for requests in flight, and calls ``finalize()`` only once they are all done. A model that
 just keeps generating has its clients' streams cut when that timeout (or a process manager's kill)
 comes. So a watcher thread asks Triton's HTTP endpoint whether this model version is ready: once
-it has been ready and then is not, the engine loop drains (no new requests, a grace period for
+it has been ready and then is not, the engine client drains (no new requests, a grace period for
 those in flight, then an error that names the shutdown). A reload that swaps in a new copy keeps
 the version ready, so the old copy just finishes its requests.
 

@@ -122,7 +122,7 @@ def bool_parameter(parameters: dict[str, str], name: str, default: bool) -> bool
 
 def engine_process_options(parameters: dict[str, str]) -> tuple[bool, float]:
     """(run the engine core in its own process, seconds of silence after which it counts as hung)."""
-    from backend.engine_core.client import DEFAULT_HEARTBEAT_TIMEOUT_SECONDS  # noqa: PLC0415
+    from backend.engine_core.process_handle import DEFAULT_HEARTBEAT_TIMEOUT_SECONDS  # noqa: PLC0415
 
     use_process = bool_parameter(parameters, "engine_process", True)
     timeout = seconds_parameter(parameters, "engine_heartbeat_timeout_seconds", DEFAULT_HEARTBEAT_TIMEOUT_SECONDS)
@@ -130,23 +130,6 @@ def engine_process_options(parameters: dict[str, str]) -> tuple[bool, float]:
         raise ConfigError(f"parameter 'engine_heartbeat_timeout_seconds': must be >= 1 (the core beats every "
                           f"0.5 s), got {parameters['engine_heartbeat_timeout_seconds']!r}")
     return use_process, timeout
-
-
-def start_engine_core(client, model_name: str, tokenizer_dir: str):
-    """Starts an engine-core client (``EngineCoreClient`` or ``SyncEngineCoreClient``) and returns the
-    front end's InputProcessor for it. A core that does not come up fails the model's load with a
-    ConfigError naming why."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
-    from backend.engine.input_processor import InputProcessor  # noqa: PLC0415
-    from backend.engine_core.process_handle import CoreStartError  # noqa: PLC0415
-
-    try:
-        ready = client.start()
-    except CoreStartError as exc:
-        raise ConfigError(f"model '{model_name}': {exc}") from None
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    return InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len)
 
 
 STUB_DEATH_ACTIONS = ("stop_server", "ignore")

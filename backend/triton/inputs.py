@@ -53,31 +53,13 @@ class ParsedRequest:
     returns: ReturnOptions = ReturnOptions()
 
 
-# Keys accepted in the `sampling_parameters` JSON object (vLLM names) -> SamplingParams field.
-SAMPLING_PARAMETER_KEYS = {
-    "max_tokens": "max_tokens",
-    "min_tokens": "min_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "logprobs": "logprobs",
-    "skip_special_tokens": "skip_special_tokens",
-    "prompt_logprobs": "prompt_logprobs",
-    "priority": "priority",
-    "n": "n",
-    "beam_width": "beam_width",
-    "length_penalty": "length_penalty",
-    "early_stopping": "early_stopping",
-    "num_speculative_tokens": "num_speculative_tokens",
-}
+# Keys accepted in the `sampling_parameters` JSON object: vLLM's names, which are SamplingParams fields.
+SAMPLING_PARAMETER_KEYS = frozenset({
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+    "skip_special_tokens", "prompt_logprobs", "priority", "n", "beam_width", "length_penalty",
+    "early_stopping", "num_speculative_tokens",
+})
 # Non-sampling keys that the JSON may carry too (they override the single inputs).
 REQUEST_OPTION_KEYS = ("stream", "exclude_input_in_output")
 # vLLM keys accepted with the one value we implement (clients of Triton's vLLM backend send them).
@@ -185,7 +167,7 @@ def parse_request(
     check: Callable[[SamplingParams], None],
     max_prompt_bytes: int | None = None,
 ) -> ParsedRequest:
-    """Reads the DESIGN.md tensors of one request; raises InputError naming the bad field.
+    """Reads the input tensors of one request (README.md, "The `llm` model's tensors"); raises InputError naming the bad field.
 
     The values are read here; whether they are valid is the engine's one check
     (``LLMEngine.check_sampling_params``, passed as ``check``), whose message becomes the

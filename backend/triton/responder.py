@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from backend.engine.outputs import RequestOutput
-from backend.triton.engine_loop import EngineLoop
+from backend.engine_core.engine_client import EngineClient
 from backend.triton.helpers import send_error
 from backend.triton.metrics import TritonMetrics
 from backend.triton.response_state import ResponseState
@@ -40,9 +40,9 @@ class ActiveRequest:
 
 
 class Responder:
-    def __init__(self, pb_utils, loop: EngineLoop, metrics: TritonMetrics | None, tokenizer=None):
+    def __init__(self, pb_utils, engine: EngineClient, metrics: TritonMetrics | None, tokenizer=None):
         self.pb = pb_utils
-        self.loop = loop
+        self.engine = engine
         self.metrics = metrics
         self.tokenizer = tokenizer  # decodes the tokens of vLLM-style logprobs
         self._active: dict[str, ActiveRequest] = {}
@@ -69,7 +69,7 @@ class Responder:
         next_poll = time.monotonic() + CANCEL_POLL_SECONDS
         while True:
             try:
-                item = self.loop.outbox.get(timeout=CANCEL_POLL_SECONDS)
+                item = self.engine.outbox.get(timeout=CANCEL_POLL_SECONDS)
             except queue.Empty:
                 item = ()
             if item is None:
@@ -98,7 +98,7 @@ class Responder:
                 cancelled = False
             if cancelled:
                 active.state.cancelled = True
-                self.loop.abort(active.request_id)
+                self.engine.abort(active.request_id)
 
     def _handle(self, output: RequestOutput) -> None:
         with self._lock:

@@ -19,16 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backend.engine.outputs import RequestOutput
-from backend.triton.helpers import build_response, send_error
+from backend.triton.helpers import send_error
 from backend.triton.inputs import ReturnOptions
 from backend.triton.metrics import TritonMetrics, record_finish, record_tokens
-from backend.triton.return_outputs import (
-    extra_tensors,
-    finish_reason_text,
-    log_prob_tensors,
-    logprob_entries,
-    token_counts,
-)
+from backend.triton.return_outputs import delta_response
 from backend.triton.sequence_responses import SampleState, collect_sample, flush_samples
 
 
@@ -97,22 +91,8 @@ class ResponseState:
         return True
 
     def _response(self, pb, outputs: list[RequestOutput], final: RequestOutput | None, tokenizer):
-        text = "".join(o.text for o in outputs)
-        token_ids = [t for o in outputs for t in o.new_token_ids]
-        num_new_tokens = len(token_ids)
-        if not self.exclude_input_in_output and not self.prompt_sent:
-            self.prompt_sent = True  # the first response carries the prompt too
-            text = self.prompt + text
-            token_ids = list(self.prompt_token_ids or []) + token_ids
-        returns = self.returns
-        num_input, num_output = token_counts(returns, outputs[-1], num_new_tokens, final)
         extra = []
-        if returns.logprobs or returns.cumulative_logprob:
-            entries = logprob_entries(tokenizer, outputs) if returns.logprobs else []
-            extra = extra_tensors(pb, returns, self.wants_logprobs, self.cumulative_logprob, entries)
-        if self.wants_logprobs:
-            extra.extend(log_prob_tensors(pb, tokenizer, outputs, final, self.cumulative_logprob, returns))
         prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
         if prompt_logprobs is not None:  # once, on the response with the first token
             extra.append(pb.Tensor("prompt_logprobs", np.array([prompt_logprobs], dtype=np.float32).reshape(1, -1)))
-        return build_response(pb, text, token_ids, finish_reason_text(returns, final), num_input, num_output, extra)
+        return delta_response(pb, self, self, outputs, final, tokenizer, extra)

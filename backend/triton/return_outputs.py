@@ -33,6 +33,7 @@ import numpy as np
 
 from backend.engine.outputs import RequestOutput
 from backend.engine.request import FinishReason
+from backend.triton.helpers import build_response
 from backend.triton.inputs import ReturnOptions
 
 VLLM_FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
@@ -101,3 +102,33 @@ def log_prob_tensors(pb, tokenizer, outputs: list[RequestOutput], final: Request
     if final is not None and not returns.cumulative_logprob:
         tensors.append(pb.Tensor("cumulative_logprob", np.array([[cumulative_logprob]], dtype=np.float32)))
     return tensors
+
+
+def delta_text(state, part, outputs: list[RequestOutput]) -> tuple[str, list[int]]:
+    """The text and token ids of ``outputs``, the prompt's first on ``part``'s first response when
+    the request wants it (``exclude_input_in_output`` false). ``state`` is the request's
+    ResponseState; ``part`` keeps ``prompt_sent``: the ResponseState itself, or one sample's
+    SampleState (backend/triton/sequence_responses.py)."""
+    text = "".join(o.text for o in outputs)
+    token_ids = [t for o in outputs for t in o.new_token_ids]
+    if not state.exclude_input_in_output and not part.prompt_sent:
+        part.prompt_sent = True
+        text = state.prompt + text
+        token_ids = list(state.prompt_token_ids or []) + token_ids
+    return text, token_ids
+
+
+def delta_response(pb, state, part, outputs: list[RequestOutput], final: RequestOutput | None, tokenizer,
+                   extra=()):
+    """One `llm` response with ``outputs`` (of the request, or of one sample: see delta_text):
+    text and ids, the token counts, the asked-for logprob tensors from ``part``'s cumulative
+    logprob, then ``extra``; ``final`` is the part's last output once it ended."""
+    text, token_ids = delta_text(state, part, outputs)
+    returns = state.returns
+    num_input, num_output = token_counts(returns, outputs[-1], sum(len(o.new_token_ids) for o in outputs), final)
+    entries = logprob_entries(tokenizer, outputs) if returns.logprobs else []
+    tensors = extra_tensors(pb, returns, state.wants_logprobs, part.cumulative_logprob, entries)
+    if state.wants_logprobs:
+        tensors.extend(log_prob_tensors(pb, tokenizer, outputs, final, part.cumulative_logprob, returns))
+    tensors.extend(extra)
+    return build_response(pb, text, token_ids, finish_reason_text(returns, final), num_input, num_output, tensors)

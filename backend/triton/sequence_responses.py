@@ -19,14 +19,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from backend.engine.outputs import RequestOutput
-from backend.triton.helpers import build_response
-from backend.triton.return_outputs import (
-    extra_tensors,
-    finish_reason_text,
-    log_prob_tensors,
-    logprob_entries,
-    token_counts,
-)
+from backend.triton.return_outputs import delta_response, delta_text, finish_reason_text, logprob_entries
 
 
 @dataclass(slots=True)
@@ -66,18 +59,6 @@ def collect_sample(state, output: RequestOutput, now: float, metrics) -> None:
         record_finish(state, replace(output, num_output_tokens=total), now, metrics)
 
 
-def _sample_tensors(state, sample: SampleState, outputs: list[RequestOutput], tokenizer):
-    """(text, token ids, extra tensors) of one sample's delta, its prompt first when asked."""
-    text = "".join(o.text for o in outputs)
-    token_ids = [t for o in outputs for t in o.new_token_ids]
-    if not state.exclude_input_in_output and not sample.prompt_sent:
-        sample.prompt_sent = True
-        text = state.prompt + text
-        token_ids = list(state.prompt_token_ids or []) + token_ids
-    entries = logprob_entries(tokenizer, outputs) if state.returns.logprobs else []
-    return text, token_ids, entries
-
-
 def flush_samples(state, pb, sender, tokenizer) -> bool:
     """ResponseState.flush for n > 1 once cancellation and errors are handled; True after FINAL."""
     if state.stream:
@@ -86,16 +67,8 @@ def flush_samples(state, pb, sender, tokenizer) -> bool:
             if not any(o.new_token_ids for o in sample.pending) and not (sample.final is not None and sample.pending):
                 continue
             outputs, sample.pending = sample.pending, []
-            text, token_ids, entries = _sample_tensors(state, sample, outputs, tokenizer)
-            num_new = sum(len(o.new_token_ids) for o in outputs)
-            num_input, num_output = token_counts(state.returns, outputs[-1], num_new, sample.final)
-            extra = extra_tensors(pb, state.returns, state.wants_logprobs, sample.cumulative_logprob, entries)
-            if state.wants_logprobs:
-                extra.extend(log_prob_tensors(pb, tokenizer, outputs, sample.final, sample.cumulative_logprob,
-                                              state.returns))
-            extra.append(pb.Tensor("sequence_index", np.array([[index]], dtype=np.int32)))
-            responses.append(build_response(pb, text, token_ids, finish_reason_text(state.returns, sample.final),
-                                            num_input, num_output, extra))
+            responses.append(delta_response(pb, state, sample, outputs, sample.final, tokenizer,
+                                            [pb.Tensor("sequence_index", np.array([[index]], dtype=np.int32))]))
         if state.final is None:
             for response in responses:
                 sender.send(response)
@@ -112,7 +85,8 @@ def flush_samples(state, pb, sender, tokenizer) -> bool:
     texts, ids, reasons, counts, cumulative, logprobs = [], [], [], [], [], []
     for sample in state.samples:
         outputs, sample.pending = sample.pending, []
-        text, token_ids, entries = _sample_tensors(state, sample, outputs, tokenizer)
+        text, token_ids = delta_text(state, sample, outputs)
+        entries = logprob_entries(tokenizer, outputs) if state.returns.logprobs else []
         texts.append(text.encode("utf-8"))
         ids.extend(token_ids)
         reasons.append(finish_reason_text(state.returns, sample.final or state.final).encode())

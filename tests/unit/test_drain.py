@@ -11,16 +11,16 @@ import pytest
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
-from backend.engine_core.client import EngineCoreClient
-from backend.engine_core.core import BusyError
+from backend.engine_core.admission import BusyError
+from backend.engine_core.in_thread import InThreadClient
 from backend.engine_core.messages import AddRequest
+from backend.engine_core.process_client import ProcessClient
 from backend.triton.drain import (
     UnloadWatcher,
     http_readiness_probe,
     http_url_from_command_line,
     readiness_url,
 )
-from backend.triton.engine_loop import EngineLoop
 from tests.conftest import DEMO_REPOSITORY
 
 
@@ -113,9 +113,9 @@ def engine(demo_model_dir):
 def loop(request, engine):
     """The `llm` model's two engines: on a thread of this process, and in a process of its own."""
     if request.param == "thread":
-        made = EngineLoop(engine, max_queue_len=16)
+        made = InThreadClient(engine, max_queue_len=16)
     else:
-        made = EngineCoreClient(engine.config, max_queue_len=16)
+        made = ProcessClient(engine.config, max_queue_len=16)
     made.start()
     yield made
     made.stop(timeout=10)

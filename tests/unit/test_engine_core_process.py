@@ -20,10 +20,10 @@ import pytest
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
-from backend.engine_core.client import EngineCoreClient
-from backend.engine_core.core import BusyError
+from backend.engine_core.admission import BusyError
 from backend.engine_core.messages import AddRequest
-from backend.engine_core.sync_client import CoreLost, SyncEngineCoreClient
+from backend.engine_core.process_client import ProcessClient
+from backend.engine_core.step_on_demand import CoreLost, ProcessTransport
 from backend.paths import REPO_ROOT
 from tests.conftest import DEMO_REPOSITORY
 
@@ -77,7 +77,7 @@ def run_to_finals(client, requests: list[AddRequest], timeout: float = 120.0) ->
 
 @pytest.fixture
 def client(engine):
-    made = EngineCoreClient(engine.config, max_queue_len=64, heartbeat_timeout=3.0)
+    made = ProcessClient(engine.config, max_queue_len=64, heartbeat_timeout=3.0)
     made.start()
     yield made
     pid = made.core_pid
@@ -152,8 +152,8 @@ def test_a_killed_parent_leaves_no_orphan_core(demo_model_dir, tmp_path):
     script = textwrap.dedent(f"""
         import time
         from backend.config import engine_config_from_model_folder
-        from backend.engine_core.client import EngineCoreClient
-        client = EngineCoreClient(engine_config_from_model_folder({str(DEMO_REPOSITORY / "llm")!r}), 4)
+        from backend.engine_core.process_client import ProcessClient
+        client = ProcessClient(engine_config_from_model_folder({str(DEMO_REPOSITORY / "llm")!r}), 4)
         client.start()
         open({str(pid_file)!r}, "w").write(str(client.core_pid))
         time.sleep(600)
@@ -175,7 +175,7 @@ def test_a_killed_parent_leaves_no_orphan_core(demo_model_dir, tmp_path):
 
 
 def test_the_step_on_demand_core_answers_each_call_and_recovers_from_kill_9(engine):
-    core = SyncEngineCoreClient(engine.config, heartbeat_timeout=10.0)
+    core = ProcessTransport(engine.config, heartbeat_timeout=10.0)
     core.start()
     try:
         request = add(engine, "it", PROMPTS[0], max_tokens=6, ignore_eos=True)

@@ -13,6 +13,7 @@ import numpy as np
 
 from backend.engine.outputs import EngineStats, RequestOutput
 from backend.engine.request import FinishReason
+from backend.engine_core.step_on_demand import StepOnDemandClient
 from backend.triton.iterative_model import IterativeDriver
 
 FINAL, RESCHEDULE = 1, 2
@@ -133,8 +134,8 @@ class FakeMetrics:
 
 def make_driver(metrics=None):
     core = FakeCore()
-    return IterativeDriver(make_pb(), core, FakeInputs(), "m", max_queue_len=8, default_max_tokens=4,
-                           metrics=metrics), core
+    return IterativeDriver(make_pb(), StepOnDemandClient(core, max_queue_len=8), FakeInputs(), "m",
+                           default_max_tokens=4, metrics=metrics), core
 
 
 def texts(sender):
@@ -206,7 +207,7 @@ def test_cancelled_sequences_are_aborted_and_closed_once():
 
 
 def test_a_lost_engine_core_ends_every_sequence_once_and_the_next_one_is_served():
-    from backend.engine_core.sync_client import CoreLost
+    from backend.engine_core.step_on_demand import CoreLost
 
     driver, core = make_driver()
     a, b = FakeRequest(1), FakeRequest(2)
@@ -238,7 +239,7 @@ def test_a_lost_engine_core_ends_every_sequence_once_and_the_next_one_is_served(
 
 
 def test_a_core_lost_between_iterations_answers_each_sequence_when_triton_hands_it_back():
-    from backend.engine_core.sync_client import CoreLost
+    from backend.engine_core.step_on_demand import CoreLost
 
     driver, core = make_driver()
     a, b, d = FakeRequest(1), FakeRequest(2), FakeRequest(4)
@@ -265,7 +266,7 @@ def test_a_core_lost_between_iterations_answers_each_sequence_when_triton_hands_
 
 
 def test_a_lost_core_zeroes_the_gauges_it_left():
-    from backend.engine_core.sync_client import CoreLost
+    from backend.engine_core.step_on_demand import CoreLost
 
     metrics = FakeMetrics()
     driver, core = make_driver(metrics)

@@ -1,34 +1,36 @@
-"""The `llm` model's side of the engine-core process: the interface of EngineLoop, over ZeroMQ.
+"""The process engine client (`llm`, the default): the engine core in its own process, stepping on its own.
 
-``submit``/``abort``/``begin_drain``/``stop`` send ``CoreInput`` messages (a lock serializes the
-callers: Triton's thread, the responder, the drain watcher); a reader thread turns each
-``CoreOutputs`` into one ``(outputs, stats)`` item of ``outbox``, as the in-thread loop does, so the
-responder cannot tell them apart. The reader also watches the core:
+``flush``/``abort``/``begin_drain``/``stop`` send ``CoreInput`` messages over ZeroMQ (a lock
+serializes the callers: Triton's thread, the responder, the drain watcher); a reader thread turns
+each ``CoreOutputs`` into one ``(outputs, stats)`` item of ``outbox`` (the interface is
+backend/engine_core/engine_client.py). The reader also watches the core:
 
 - the process exited (kill -9, a CUDA error, out of memory): seen within ``POLL_SECONDS``;
 - it sent nothing for ``heartbeat_timeout`` seconds (it sends at least every 0.5 s, so it hangs):
   it is killed.
 
 Either way every request in flight gets one error output naming what happened, ``on_restart`` is
-called (the restart counter), and a new core is started; requests arriving meanwhile are refused
-as busy. Detokenization and stop strings stay in the core: measured on this machine they cost
-0.7% of a decode step (perf.profile_step: 0.49 ms of 72.7 ms at 32 sequences, SmolLM2), and a stop string found where the token is made
-stops it at once, with no abort round trip and no tokens generated past it.
+called (the restart counter), and a new core is started; admission control refuses requests
+meanwhile. Detokenization and stop strings stay in the core: they are a small part of a decode
+step (perf/RESULTS.md), and a stop string found where the token is made stops it at once, with no
+abort round trip and no tokens generated past it.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 
 from backend.config import EngineConfig
-from backend.engine.outputs import EngineStats
-from backend.engine_core.core import DRAINING_MESSAGE, BusyError, busy_message, error_output
+from backend.engine_core.admission import UNLOADING_MESSAGE
+from backend.engine_core.core import error_output
+from backend.engine_core.engine_client import EngineClient, empty_stats
 from backend.engine_core.messages import AddRequest, CoreInput, CoreOutputs, CoreReady
 from backend.engine_core.process_handle import (
+    DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
+    START_TIMEOUT_SECONDS,
     CoreProcess,
     CoreStartError,
     lost_request_message,
@@ -39,43 +41,32 @@ from backend.engine_core.stub_watch import StubWatch
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05
-DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 60.0  # a slow step (a long prefill on a big model) is not a hang
-START_TIMEOUT_SECONDS = 600.0  # loading a model
 RESTART_BACKOFF_SECONDS = 2.0
+STOP_WAIT_SECONDS = 10.0  # after a shutdown message, how long the reader waits for the core's last one
 
 
-def empty_stats(num_kv_blocks: int = 0) -> EngineStats:
-    return EngineStats(0, 0, 0.0, num_kv_blocks, 0, 0, 0)
-
-
-class EngineCoreClient:
+class ProcessClient(EngineClient):
     def __init__(self, config: EngineConfig, max_queue_len: int,
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
                  on_restart: Callable[[str], None] | None = None,
                  on_ipc: Callable[[float], None] | None = None, stub_watch: StubWatch | None = None):
-        self.max_queue_len = max_queue_len
+        super().__init__(max_queue_len, engine_up=False)  # refused until start()
         self.heartbeat_timeout = heartbeat_timeout
         self.on_restart = on_restart  # called with the reason, from the reader thread
         self.on_ipc = on_ipc  # called with each step message's IPC seconds, from the reader thread
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.restarts = 0
         self._process = CoreProcess(config, autostep=True, stub_watch=stub_watch)
-        self._lock = threading.Lock()  # the input socket and everything below
+        # self._lock (the base class's): the input socket and everything below
         self._active: set[str] = set()  # submitted, no final output seen yet
         self._outgoing: list[AddRequest] = []  # submitted, not sent yet (see flush)
-        self._adds_sent = 0  # to this core
-        self._adds_seen = 0  # by this core, as of its last message
-        self._num_waiting = 0  # the core's, as of its last message
-        self._available = False  # a core is up and takes requests
-        self._draining = False
-        self._stopping = False
-        self._shutdown_message = "the model is being unloaded"
+        self._available = False  # a core is up and reachable
         self._thread = threading.Thread(target=self._run, name="llm-engine-core-reader", daemon=True)
 
     def start(self, timeout: float = START_TIMEOUT_SECONDS) -> CoreReady:
         """Starts the core (raises CoreStartError naming why it did not come up) and the reader."""
         ready = self._process.start(timeout)
         self._available = True
+        self.admission.engine_up()
         self._thread.start()
         return ready
 
@@ -84,28 +75,12 @@ class EngineCoreClient:
         return self._process.pid
 
     # ------------------------------------------------------------------------------------------
-    def submit(self, request: AddRequest, on_accept: Callable[[], None] | None = None) -> None:
-        """Queues a request for the core (``flush`` sends it); raises BusyError beyond max_queue_len
-        waiting, while draining or restarting. ``on_accept`` runs first (see EngineLoop.submit)."""
-        with self._lock:
-            if self._stopping:
-                raise BusyError(self._shutdown_message)
-            if self._draining:
-                raise BusyError(DRAINING_MESSAGE)
-            if not self._available:
-                raise BusyError("the engine core is restarting after a failure; retry in a few seconds")
-            waiting = self._num_waiting + self._adds_sent - self._adds_seen
-            if waiting >= self.max_queue_len:
-                raise BusyError(busy_message(waiting, self.max_queue_len))
-            if on_accept is not None:
-                on_accept()
-            self._active.add(request.request_id)
-            self._adds_sent += 1
-            self._outgoing.append(request)
+    def _queue(self, request: AddRequest) -> None:
+        self._active.add(request.request_id)
+        self._outgoing.append(request)
 
     def flush(self) -> None:
-        """Sends the requests submitted since the last flush, in one message (execute() calls it
-        once per batch Triton hands it)."""
+        """Sends the requests submitted since the last flush, in one message."""
         with self._lock:
             self._flush_locked()
 
@@ -120,21 +95,17 @@ class EngineCoreClient:
                 self._flush_locked()  # the abort must not overtake its request
                 self._process.send(CoreInput(aborts=[request_id]))
 
-    def begin_drain(self, grace_seconds: float) -> None:
+    def _drain(self, grace_seconds: float) -> None:
         with self._lock:
-            if not self._draining:
-                self._draining = True
-                if self._available:
-                    self._process.send(CoreInput(drain_grace=grace_seconds))
+            if self._available:
+                self._process.send(CoreInput(drain_grace=grace_seconds))
 
     def stop(self, timeout: float = 30.0, message: str | None = None) -> None:
-        """Every unfinished request gets an error output, then ``None`` is posted and the core is gone."""
+        message = message or UNLOADING_MESSAGE
         with self._lock:
-            if message:
-                self._shutdown_message = message
-            self._stopping = True
+            self.admission.close(message)
             if self._available:
-                self._process.send(CoreInput(shutdown=self._shutdown_message))
+                self._process.send(CoreInput(shutdown=message))
         if self._thread.is_alive():
             self._thread.join(timeout)
         with self._lock:
@@ -155,8 +126,8 @@ class EngineCoreClient:
                         if message.final:
                             return
                     continue
-                if self._stopping:
-                    stop_deadline = stop_deadline or now + 10.0
+                if self.admission.closed_message is not None:
+                    stop_deadline = stop_deadline or now + STOP_WAIT_SECONDS
                     if self._process.exit_code() is not None or now > stop_deadline:
                         return
                     continue
@@ -171,16 +142,14 @@ class EngineCoreClient:
         except Exception:
             logger.exception("the engine-core reader failed")
         finally:
-            self._fail_active(self._shutdown_message)
+            self._fail_active(self.admission.closed_message or UNLOADING_MESSAGE)
             self.outbox.put(None)
 
     def _deliver(self, message: CoreOutputs, now: float) -> None:
-        if message.stepped:
-            if self.on_ipc is not None:
-                self.on_ipc(max(0.0, now - message.sent_at))
+        if message.stepped and self.on_ipc is not None:
+            self.on_ipc(max(0.0, now - message.sent_at))
         with self._lock:
-            self._adds_seen = message.num_adds_seen
-            self._num_waiting = message.stats.num_waiting
+            self.admission.engine_reported(message.stats.num_waiting, message.num_adds_seen)
             for output in message.outputs:
                 if output.finished:
                     self._active.discard(output.request_id)
@@ -198,17 +167,18 @@ class EngineCoreClient:
         logger.error("%s: failing its requests and starting a new one", reason)
         with self._lock:
             self._available = False
+            self.admission.engine_down()
             self._outgoing = []  # in _active: failed below
         self._fail_active(lost_request_message(reason))
         self.restarts += 1
         report_restart(self.on_restart, reason)
-        while not self._stopping:
+        while self.admission.closed_message is None:
             try:
                 ready = self._process.start(START_TIMEOUT_SECONDS)  # nobody sends while not _available
                 with self._lock:
-                    self._adds_sent = self._adds_seen = self._num_waiting = 0
                     self._available = True
-                    if self._draining:
+                    self.admission.engine_up()
+                    if self.admission.draining:
                         self._process.send(CoreInput(drain_grace=0.0))
                 logger.warning("engine core restarted (pid %d)", ready.pid)
                 self.outbox.put(([], empty_stats(ready.num_kv_blocks)))

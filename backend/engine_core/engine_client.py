@@ -1,0 +1,130 @@
+"""The one interface through which the front end (a Triton model) reaches the engine core.
+
+Three implementations, picked by ``make_engine_client``:
+
+- ``InThreadClient`` (backend/engine_core/in_thread.py): the engine on a thread of this process,
+  stepping on its own (`llm` with ``engine_process: false``);
+- ``ProcessClient`` (backend/engine_core/process_client.py): the engine core in its own process,
+  stepping on its own (`llm`, the default);
+- ``StepOnDemandClient`` (backend/engine_core/step_on_demand.py): the core steps once per
+  ``flush()``, over a transport that is either its own process or an engine in this process
+  (`llm_iterative`, whose iterations Triton's sequence batcher decides).
+
+What a request goes through, the same on all three:
+
+1. ``submit(request, on_accept)``: admission control (``self.admission``,
+   backend/engine_core/admission.py) takes it or raises BusyError with the message the client is
+   told; ``on_accept()`` runs before the engine can produce anything for it, so whoever answers it
+   knows it first. It is queued, not sent.
+2. ``flush()``: everything queued goes to the engine together (execute() calls it once per batch).
+   Free-running clients return at once; the step-on-demand client runs one iteration here
+   (``flush(step=False)``: the adds and aborts without a step) and raises CoreLost when its core
+   died under the call.
+3. Outputs arrive on ``outbox`` as ``(outputs, stats)`` pairs, each request's in order and ending
+   with exactly one ``finished`` output (the free-running clients send an error output for each
+   request of a core that died, and start a new core); ``None`` once the client has stopped. The
+   step-on-demand client's pair is there when ``flush()`` returns.
+
+``abort(request_id)`` ends a request before the engine's next step; ``begin_drain(grace)`` refuses
+new requests and has the core end what still runs after ``grace`` seconds; ``stop()`` ends every
+request with an error and the engine with them. Nothing here imports Triton or torch (the
+implementations that run the engine in this process import it when they are made).
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+from collections.abc import Callable
+
+from backend.config import EngineConfig
+from backend.engine.outputs import EngineStats
+from backend.engine_core.admission import AdmissionControl
+from backend.engine_core.messages import AddRequest, CoreReady
+from backend.engine_core.stub_watch import StubWatch
+
+
+def empty_stats(num_kv_blocks: int = 0) -> EngineStats:
+    """The statistics of an engine with nothing in it (a core that is gone or just started)."""
+    return EngineStats(0, 0, 0.0, num_kv_blocks, 0, 0, 0)
+
+
+class EngineClient(abc.ABC):
+    """See the module docstring. ``_lock`` is held while a request is admitted and queued."""
+
+    def __init__(self, max_queue_len: int, engine_up: bool = True):
+        self.admission = AdmissionControl(max_queue_len, engine_up)
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+
+    @abc.abstractmethod
+    def start(self) -> CoreReady:
+        """Starts the engine (raises CoreStartError naming why it did not come up); what the front
+        end needs to check requests is in the answer."""
+
+    def submit(self, request: AddRequest, on_accept: Callable[[], None] | None = None) -> None:
+        """Admission control decides (BusyError); an accepted request is queued for ``flush``."""
+        with self._lock:
+            self.admission.admit(on_accept)
+            self._queue(request)
+
+    @abc.abstractmethod
+    def _queue(self, request: AddRequest) -> None:
+        """Keeps an admitted request for the next ``flush`` (called under ``_lock``)."""
+
+    @abc.abstractmethod
+    def flush(self) -> None:
+        """Hands every queued request to the engine (see the module docstring)."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Ends the request before the engine's next step; its final output has finish reason abort."""
+
+    def begin_drain(self, grace_seconds: float) -> None:
+        """Server stop or unload: new requests are refused, and those still running
+        ``grace_seconds`` from now end with an error naming the shutdown. The first call counts."""
+        if self.admission.begin_drain(grace_seconds):
+            self._drain(grace_seconds)
+
+    @abc.abstractmethod
+    def _drain(self, grace_seconds: float) -> None:
+        """Hands the drain's grace period to the engine core (once)."""
+
+    @abc.abstractmethod
+    def stop(self, timeout: float = 30.0, message: str | None = None) -> None:
+        """Every unfinished request ends with an error naming ``message`` (default: the model is
+        being unloaded), the engine stops, then ``None`` is posted."""
+
+
+def make_engine_client(config: EngineConfig, *, step_on_demand: bool, in_process: bool,
+                       heartbeat_timeout: float, stub_watch: StubWatch | None = None,
+                       on_restart: Callable[[str], None] | None = None,
+                       on_ipc: Callable[[float], None] | None = None) -> EngineClient:
+    """The client a model asks for: stepping on demand or free-running, the engine in this process
+    or in its own. Only ``in_process`` loads the engine (and torch) into this process."""
+    max_queue_len = config.scheduler.max_queue_len
+    if step_on_demand:
+        from backend.engine_core.step_on_demand import (  # noqa: PLC0415
+            InProcessTransport,
+            ProcessTransport,
+            StepOnDemandClient,
+        )
+
+        transport = (InProcessTransport(_load_engine(config)) if in_process
+                     else ProcessTransport(config, heartbeat_timeout, on_restart, stub_watch))
+        return StepOnDemandClient(transport, max_queue_len)
+    if in_process:
+        from backend.engine_core.in_thread import InThreadClient  # noqa: PLC0415
+
+        return InThreadClient(_load_engine(config), max_queue_len)
+    from backend.engine_core.process_client import ProcessClient  # noqa: PLC0415
+
+    return ProcessClient(config, max_queue_len, heartbeat_timeout, on_restart=on_restart, on_ipc=on_ipc,
+                         stub_watch=stub_watch)
+
+
+def _load_engine(config: EngineConfig):
+    from backend.engine.llm_engine import LLMEngine  # noqa: PLC0415 (torch: only with the engine in this process)
+
+    return LLMEngine(config)

@@ -1,0 +1,75 @@
+"""From one Triton request to an engine request: the admission path of both `llm` and `llm_iterative`.
+
+``RequestAdmission.admit`` reads and checks the request's tensors (backend/triton/inputs.py, with
+the engine's one check of backend/engine/input_processor.py), renders chat messages, tokenizes,
+builds the request's ResponseState and its AddRequest, and submits it to the engine client, whose
+admission control decides busy and drain (backend/engine_core/admission.py). It never raises: a
+request it refuses gets its error response and FINAL flag here (INVALID_ARG naming the field for
+bad input, UNAVAILABLE when the engine takes nothing now, INTERNAL for a failure of ours), for
+that request only. An accepted request is handed to ``on_accept(state, sender)`` before the engine
+can produce anything for it: from then on only whoever took it there answers it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from backend.engine.input_processor import EngineInputError, InputProcessor
+from backend.engine_core.admission import BusyError
+from backend.engine_core.engine_client import EngineClient
+from backend.engine_core.messages import AddRequest
+from backend.triton.helpers import input_getter, send_error
+from backend.triton.inputs import InputError, parse_request
+from backend.triton.response_state import ResponseState
+
+logger = logging.getLogger(__name__)
+
+OnAccept = Callable[[ResponseState, object], None]  # (the request's state, its response sender)
+
+
+class RequestAdmission:
+    def __init__(self, pb, engine: EngineClient, inputs: InputProcessor, default_max_tokens: int,
+                 max_prompt_bytes: int | None = None):
+        self.pb = pb
+        self.engine = engine
+        self.inputs = inputs
+        self.default_max_tokens = default_max_tokens
+        self.max_prompt_bytes = max_prompt_bytes
+
+    def admit(self, request, sender, request_id: str, arrival_time: float, on_accept: OnAccept) -> ResponseState | None:
+        """The accepted request's state, or None once it was answered (see the module docstring)."""
+        try:
+            return self._admit(request, sender, request_id, arrival_time, on_accept)
+        except Exception as exc:  # one request's failure must not fail its batch-mates
+            logger.exception("reading a request failed")
+            try:
+                send_error(self.pb, sender, f"internal error while reading the request: "
+                           f"{type(exc).__name__}: {exc}", self.pb.TritonError.INTERNAL)
+            except Exception:
+                logger.exception("sending an error response failed")
+            return None
+
+    def _admit(self, request, sender, request_id: str, arrival_time: float, on_accept: OnAccept) -> ResponseState | None:
+        pb = self.pb
+        try:
+            parsed = parse_request(input_getter(pb, request), self.default_max_tokens,
+                                   self.inputs.check_sampling_params, self.max_prompt_bytes)
+            prompt, add_special_tokens = parsed.prompt, True
+            if parsed.messages is not None:
+                prompt, add_special_tokens = self.inputs.render_chat(parsed.messages), False
+        except (InputError, EngineInputError) as exc:
+            send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
+            return None
+        prompt_token_ids = self.inputs.tokenize(prompt, add_special_tokens)
+        params = parsed.sampling_params
+        state = ResponseState(request_id, parsed.stream, parsed.exclude_input_in_output, prompt, arrival_time,
+                              returns=parsed.returns, wants_logprobs=params.logprobs,
+                              prompt_token_ids=prompt_token_ids, num_samples=params.n)
+        try:
+            self.engine.submit(AddRequest(request_id, prompt_token_ids, params, arrival_time),
+                               on_accept=lambda: on_accept(state, sender))
+        except BusyError as exc:
+            send_error(pb, sender, str(exc), pb.TritonError.UNAVAILABLE)
+            return None
+        return state

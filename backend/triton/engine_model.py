@@ -1,0 +1,104 @@
+"""What `llm` and `llm_iterative` share as Triton models: one ``initialize``, one ``finalize``.
+
+``initialize`` reads and checks config.pbtxt (backend/triton/helpers.py), makes the metrics, picks
+and starts the engine client (backend/engine_core/engine_client.py: `llm` free-running, in its
+own process or on a thread; `llm_iterative` stepping on demand, in its own process or in this
+one), builds the front end's InputProcessor (tokenizer, checks), lets the model start what is its
+own (``start_serving``) and watches for an unload (backend/triton/drain.py). With the engine in its
+own process (``engine_process: true``, the default) nothing imported here loads torch: only the
+``engine_process: false`` branch loads the engine into this process.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+
+from backend.config import ConfigError
+from backend.engine.input_processor import InputProcessor
+from backend.engine_core.engine_client import EngineClient, make_engine_client
+from backend.triton.helpers import (
+    DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    engine_process_options,
+    load_llm_config,
+    seconds_parameter,
+    set_utf8_locale,
+    start_unload_watcher,
+    stub_watch,
+    triton_readiness_url,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def start_engine(engine: EngineClient, model_name: str, tokenizer_dir: str) -> InputProcessor:
+    """Starts the engine and returns the front end's InputProcessor for it. An engine that does not
+    come up fails the model's load with a ConfigError naming why."""
+    from backend.engine.tokenizer import load_tokenizer  # noqa: PLC0415
+    from backend.engine_core.process_handle import CoreStartError  # noqa: PLC0415
+
+    try:
+        ready = engine.start()
+    except CoreStartError as exc:
+        raise ConfigError(f"model '{model_name}': {exc}") from None
+    return InputProcessor(load_tokenizer(tokenizer_dir), ready.vocab_size, ready.max_model_len)
+
+
+class EngineModel(abc.ABC):
+    """Triton's ``initialize``/``finalize`` of an LLM model; subclasses add ``execute`` and what
+    differs: ``start_serving``, ``begin_drain`` and ``stop_serving``."""
+
+    step_on_demand = False  # llm_iterative: Triton's sequence batcher drives the engine's steps
+
+    def initialize(self, args: dict) -> None:
+        set_utf8_locale()
+        import triton_python_backend_utils as pb_utils  # noqa: PLC0415 (only inside the stub)
+
+        from backend.triton.metrics import TritonMetrics  # noqa: PLC0415
+
+        self.pb = pb_utils
+        self.model_name, self.config, parameters = load_llm_config(
+            pb_utils, args, needs_iterative_sequence=self.step_on_demand)
+        grace = seconds_parameter(parameters, "shutdown_grace_seconds", DEFAULT_SHUTDOWN_GRACE_SECONDS)
+        use_process, heartbeat_timeout = engine_process_options(parameters)
+        self.metrics = metrics = TritonMetrics(pb_utils, self.model_name)
+        ready_url = triton_readiness_url(parameters, self.model_name, str(args.get("model_version", "")))
+        engine = make_engine_client(
+            self.config, step_on_demand=self.step_on_demand, in_process=not use_process,
+            heartbeat_timeout=heartbeat_timeout, stub_watch=stub_watch(parameters, ready_url) if use_process else None,
+            on_restart=lambda reason: metrics.engine_restarts.increment(1), on_ipc=metrics.core_ipc.observe)
+        try:
+            self.inputs = start_engine(engine, self.model_name, self.config.model.tokenizer_dir)
+        except Exception:
+            engine.stop(timeout=10.0, message="the model failed to load")  # no core outlives a failed load
+            raise
+        self.engine = engine
+        self.start_serving()
+        self.unload_watcher = start_unload_watcher(ready_url, lambda: self.begin_drain(grace))
+
+    @abc.abstractmethod
+    def start_serving(self) -> None:
+        """The model's own threads, once the engine is up (``self.engine``, ``self.inputs``)."""
+
+    @abc.abstractmethod
+    def begin_drain(self, grace_seconds: float) -> None:
+        """From the unload watcher's thread: Triton is unloading the model (backend/triton/drain.py)."""
+
+    @abc.abstractmethod
+    def execute(self, requests):
+        """Triton's execute(): returns None (decoupled: every response goes through its sender)."""
+
+    @abc.abstractmethod
+    def stop_serving(self) -> None:
+        """Unload: every request still live gets an error and its FINAL flag; the engine stops."""
+
+    def finalize(self) -> None:
+        """Requests still live get an error and their FINAL flag, so no client hangs."""
+        watcher = getattr(self, "unload_watcher", None)
+        if watcher is not None:
+            watcher.stop()
+        if getattr(self, "engine", None) is not None:
+            self.stop_serving()
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.close()
