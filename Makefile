@@ -70,8 +70,10 @@ test-integration: setup
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 # Benchmarks (numbers, not tests): each starts its own server where it needs one. See perf/RESULTS.md.
+# The Triton path at three concurrencies (perf.compare's triton system, a sweep on one server).
 bench: setup
-	$(PY) -m perf.run_client_bench -- --concurrency 1,8,32 --num-requests 64 --input-len 128 --output-len 64
+	$(PY) -m perf.compare --systems triton --concurrency 1,8,32 --num-requests 64 --input-len 128 --output-len 64 \
+		--out-dir perf/results/bench
 
 # Our engine in-process against transformers static batching (perf.compare's systems; no server, no peers).
 bench-engine: setup

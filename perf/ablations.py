@@ -17,7 +17,8 @@ and off, on the same seeded workload in the same run, and reports one ratio:
 Arrivals are simulated on the engine's clock: the driver steps the engine in a loop and adds a
 request when its arrival condition holds (all at start, when the engine is idle for static
 batching, or at a given step index). TTFT = arrival to first token; ITL = gaps between a
-request's token outputs (timestamps taken right after each step).
+request's token outputs (timestamps taken right after each step). The prompts are client.bench's
+workloads (corpus text on the model's tokenizer, as token ids).
 
     .venv/bin/python -m perf.ablations [--only NAME] [--smoke] [--out-json F]
 """
@@ -27,10 +28,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
@@ -41,15 +40,23 @@ import torch
 from backend.models.shape import ceil_div
 from backend.paths import REPO_ROOT
 from client.bench.progress import Progress
+from client.bench.prompts import PromptBuilder
 from client.bench.stats import percentile
-from perf.workload import random_prompt, random_tokens
+from client.bench.workload import SharedPrefix
+from perf.engine_driver import (
+    EngineDriver,
+    add_model_folder_argument,
+    prompt_builder,
+    token_workload,
+    warm_up,
+)
 
 ABLATIONS = ("inflight", "prefix_caching", "chunked_prefill", "paged_kv")
 PROGRESS_INTERVAL_S = 5.0
 
 # Workload sizes: "full" for the measured run, "smoke" for the unit test (seconds, not minutes).
 SIZES = {
-    "full": {  # sized for ~15 min on 2 cores shared with other jobs (a 512-token step can take 5 s)
+    "full": {  # sized for minutes, not hours, on 2 shared cores
         "inflight": {"num_requests": 24, "prompt_range": (32, 256), "output_range": (16, 64), "batch_size": 8},
         "prefix_caching": {"num_system_prompts": 4, "system_len": 512, "num_requests": 24, "suffix_len": 32,
                            "output_len": 8},
@@ -73,15 +80,12 @@ SIZES = {
 
 
 # ------------------------------------------------------------------------------------ helpers
-def make_engine(model_folder: str, overrides: dict[str, str]):
+def make_engine(model_folder: str, overrides: dict[str, str], warm_prompt: list[int]):
     from backend.config import engine_config_from_model_folder
     from backend.engine.llm_engine import LLMEngine
-    from backend.engine.request import SamplingParams
 
     engine = LLMEngine(engine_config_from_model_folder(model_folder, **overrides))
-    # Warm-up (first-call allocations), then forget its prefix blocks so they cannot be hit.
-    engine.generate([[1, 5, 6, 7, 8, 9, 10, 11]], [SamplingParams(max_tokens=2, ignore_eos=True)])
-    engine.kv_cache_manager.reset_prefix_cache()
+    warm_up(engine, warm_prompt[:8])
     return engine
 
 
@@ -103,8 +107,6 @@ class Sim:
 
     def __init__(self, engine, requests: list[dict], label: str, *, static_batch: int = 0,
                  arrive_at_start: bool = True, on_step=None, stop_when_drained: bool = False):
-        from perf.engine_driver import EngineDriver
-
         self.engine, self.requests, self.label = engine, requests, label
         self.driver = EngineDriver(engine, label)
         self.static_batch, self.arrive_at_start = static_batch, arrive_at_start
@@ -240,16 +242,26 @@ def print_table(header: list[str], rows: list[list]) -> None:
 
 
 # ------------------------------------------------------------------------------------ ablations
-def ablation_inflight(model_folder: str, vocab: int, size: dict, seed: int) -> dict:
+def uniform(bounds: tuple[int, int]) -> str:
+    return "uniform:{}:{}".format(*bounds)
+
+
+def workload_of(builder: PromptBuilder, count: int, input_len: str, output_len: str, seed: int, **extra) -> list[dict]:
+    """client.bench's workload as Sim requests (``extra``: shared_prefix, max_model_len)."""
+    return [{"prompt": prompt, "max_tokens": max_tokens}
+            for prompt, max_tokens in token_workload(builder, count, input_len, output_len, seed, **extra)]
+
+
+def ablation_inflight(model_folder: str, builder: PromptBuilder, size: dict, seed: int) -> dict:
     """Continuous vs request-level static batching, same engine, same max_num_seqs = B."""
-    rng = random.Random(seed)
     batch = size["batch_size"]
-    workload = [{"prompt": random_prompt(rng, rng.randint(*size["prompt_range"]), vocab),
-                 "max_tokens": rng.randint(*size["output_range"])} for _ in range(size["num_requests"])]
+    workload = workload_of(builder, size["num_requests"], uniform(size["prompt_range"]), uniform(size["output_range"]),
+                           seed)
     overrides = {"max_num_seqs": str(batch)}
     # Two engines stepped alternately, each timed on its own clock: load changes hit both alike.
     modes = (("continuous", 0), ("static", batch))
-    sims = [Sim(make_engine(model_folder, overrides), workload, f"inflight/{name}", static_batch=static)
+    sims = [Sim(make_engine(model_folder, overrides, workload[0]["prompt"]), workload, f"inflight/{name}",
+                static_batch=static)
             for name, static in modes]
     results = dict(zip([name for name, _ in modes], interleave(sims, "inflight"), strict=True))
     del sims
@@ -280,14 +292,11 @@ def ablation_inflight(model_folder: str, vocab: int, size: dict, seed: int) -> d
             "overrides": overrides}
 
 
-def ablation_prefix_caching(model_folder: str, vocab: int, size: dict, seed: int) -> dict:
+def ablation_prefix_caching(model_folder: str, builder: PromptBuilder, size: dict, seed: int) -> dict:
     """TTFT with prefix caching on vs off; requests one at a time, the two engines alternating."""
-    rng = random.Random(seed)
-    systems = [random_prompt(rng, size["system_len"], vocab) for _ in range(size["num_system_prompts"])]
-    workload = [{"prompt": systems[i % len(systems)] + random_tokens(rng, size["suffix_len"], vocab),
-                 "max_tokens": size["output_len"]} for i in range(size["num_requests"])]
-    rng.shuffle(workload)
-    engines = {name: make_engine(model_folder, {"enable_prefix_caching": flag})
+    workload = workload_of(builder, size["num_requests"], str(size["suffix_len"]), str(size["output_len"]), seed,
+                           shared_prefix=SharedPrefix(size["num_system_prompts"], size["system_len"]))
+    engines = {name: make_engine(model_folder, {"enable_prefix_caching": flag}, workload[0]["prompt"])
                for name, flag in (("caching on", "true"), ("caching off", "false"))}
     per_engine: dict[str, list[dict]] = {name: [] for name in engines}
     totals: dict[str, dict] = {name: {"seconds": 0.0, "steps": 0} for name in engines}
@@ -325,13 +334,13 @@ def ablation_prefix_caching(model_folder: str, vocab: int, size: dict, seed: int
             "workload": {**size, "prompt_tokens": sum(len(w["prompt"]) for w in workload)}}
 
 
-def ablation_chunked_prefill(model_folder: str, vocab: int, size: dict, seed: int) -> dict:
+def ablation_chunked_prefill(model_folder: str, builder: PromptBuilder, size: dict, seed: int) -> dict:
     """ITL of running decodes when long prompts arrive, chunked prefill on vs off."""
-    rng = random.Random(seed)
-    decoders = [{"prompt": random_prompt(rng, rng.randint(*size["decoder_prompt_range"]), vocab),
-                 "max_tokens": size["decoder_output_len"], "at_step": 0} for _ in range(size["num_decoders"])]
-    longs = [{"prompt": random_prompt(rng, size["long_prompt_len"], vocab),
-              "max_tokens": size["long_output_len"], "at_step": step} for step in size["long_arrival_steps"]]
+    decoders = [dict(request, at_step=0) for request in workload_of(
+        builder, size["num_decoders"], uniform(size["decoder_prompt_range"]), str(size["decoder_output_len"]), seed)]
+    longs = [dict(request, at_step=step) for request, step in zip(workload_of(
+        builder, len(size["long_arrival_steps"]), str(size["long_prompt_len"]), str(size["long_output_len"]), seed + 1),
+        size["long_arrival_steps"], strict=True)]
     workload = decoders + longs
     max_len = size["max_model_len"]
     configs = {
@@ -340,7 +349,7 @@ def ablation_chunked_prefill(model_folder: str, vocab: int, size: dict, seed: in
         "chunked off": {"max_model_len": str(max_len), "max_num_batched_tokens": str(max_len),
                         "enable_chunked_prefill": "false"},
     }
-    sims = [Sim(make_engine(model_folder, overrides), workload, f"chunked/{name.replace(' ', '_')}",
+    sims = [Sim(make_engine(model_folder, overrides, workload[0]["prompt"]), workload, f"chunked/{name.replace(' ', '_')}",
                 arrive_at_start=False) for name, overrides in configs.items()]
     results = dict(zip(configs, interleave(sims, "chunked_prefill"), strict=True))
     del sims
@@ -370,26 +379,17 @@ def ablation_chunked_prefill(model_folder: str, vocab: int, size: dict, seed: in
             "workload": {**size, "num_requests": len(workload)}}
 
 
-def chat_like_lengths(rng: random.Random, n: int, size: dict) -> list[tuple[int, int]]:
-    """Lognormal prompt and output lengths (median ``prompt_median`` / ``output_median``, long tails)."""
-    max_len = size["max_model_len"]
-    lengths = []
-    for _ in range(n):
-        prompt = int(min(max(rng.lognormvariate(math.log(size["prompt_median"]), 0.8), 4), max_len * 3 // 4))
-        output = int(min(max(rng.lognormvariate(math.log(size["output_median"]), 0.7), 2), max_len - prompt - 1))
-        lengths.append((prompt, output))
-    return lengths
-
-
-def ablation_paged_kv(model_folder: str, vocab: int, size: dict, seed: int) -> dict:
+def ablation_paged_kv(model_folder: str, builder: PromptBuilder, size: dict, seed: int) -> dict:
     """Concurrent requests in a K-block pool: paging (measured) vs max_model_len reservation (computed)."""
-    rng = random.Random(seed)
-    lengths = chat_like_lengths(rng, size["num_requests"], size)
-    workload = [{"prompt": random_prompt(rng, p, vocab), "max_tokens": o} for p, o in lengths]
+    max_len = size["max_model_len"]
+    # Chat-like lengths: lognormal around the medians with long tails, clipped to fit max_model_len.
+    workload = workload_of(builder, size["num_requests"], f"lognormal:{size['prompt_median']}:0.8:4:{max_len * 3 // 4}",
+                           f"lognormal:{size['output_median']}:0.7:2:{max_len}", seed, max_model_len=max_len)
+    lengths = [(len(w["prompt"]), w["max_tokens"]) for w in workload]
     usable = size["num_blocks"]
     overrides = {"num_kv_blocks": str(usable + 1), "max_model_len": str(size["max_model_len"]),
                  "max_num_seqs": str(max(256, size["num_requests"])), "enable_prefix_caching": "false"}
-    engine = make_engine(model_folder, overrides)
+    engine = make_engine(model_folder, overrides, workload[0]["prompt"])
     block_size = engine.config.cache.block_size
     runner = engine.model_runner
     bytes_per_block = runner.shape.kv_cache_bytes_per_block(block_size, runner.dtype)
@@ -437,18 +437,15 @@ RUNNERS = {"inflight": ablation_inflight, "prefix_caching": ablation_prefix_cach
 
 
 def run_ablations(names, model_folder: str, smoke: bool = False, seed: int = 0) -> dict:
-    from transformers import AutoConfig
-
     from backend.config import engine_config_from_model_folder
 
-    config = engine_config_from_model_folder(model_folder)
-    vocab = AutoConfig.from_pretrained(config.model.model_dir).vocab_size
+    builder = prompt_builder(engine_config_from_model_folder(model_folder))
     sizes = SIZES["smoke" if smoke else "full"]
     ablations = {}
     for name in names:
         print(f"\n## {name}", flush=True)
         start = time.perf_counter()
-        ablations[name] = RUNNERS[name](model_folder, vocab, sizes[name], seed)
+        ablations[name] = RUNNERS[name](model_folder, builder, sizes[name], seed)
         ablations[name]["wall_s"] = time.perf_counter() - start
         target = ablations[name]["target"]
         ablations[name]["met"] = None if target is None else ablations[name]["ratio"] >= target
@@ -470,8 +467,7 @@ def print_summary(ablations: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.ablations", description=__doc__.splitlines()[0])
-    parser.add_argument("--model-folder", default=str(REPO_ROOT / "model_repository" / "llm"),
-                        help="a model folder whose config.pbtxt configures the engine")
+    add_model_folder_argument(parser)
     parser.add_argument("--only", choices=ABLATIONS, action="append", default=None,
                         help="run only this ablation (repeatable)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes (seconds): checks the plumbing, not the ratios")

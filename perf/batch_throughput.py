@@ -38,7 +38,6 @@ from client.bench.prompts import PromptBuilder
 from client.bench.runner import run_workload
 from client.bench.stats import compute_metrics
 from client.bench.workload import build_workload
-from perf.compare.repository import repository_with_overrides
 from perf.served import add_server_arguments, report_dir, served, write_report
 
 
@@ -68,17 +67,10 @@ def run_batch(url: str, items, work_dir: Path, concurrency: int, timeout: float,
             "seconds": summary.seconds, "errors": summary.failed, "output_tokens": summary.completion_tokens}
 
 
-def _priority_repository(args: argparse.Namespace, work_dir: Path) -> argparse.Namespace:
-    """The server options with, unless --url names a running server, a repository whose `llm`
-    schedules by priority."""
-    if args.url:
-        return args
-    # No prefix caching: client.bench and client.batch send the same prompts one after the other, and
-    # the second run would find the first one's blocks cached.
-    repository = repository_with_overrides(Path(args.model_repository), "llm",
-                                           {"scheduling_policy": "priority", "enable_prefix_caching": "false"},
-                                           work_dir / "repository")
-    return argparse.Namespace(**dict(vars(args), model_repository=str(repository)))
+# Unless --url names a running server: `llm` scheduling by priority, without prefix caching
+# (client.bench and client.batch send the same prompts one after the other, and the second run
+# would find the first one's blocks cached).
+SERVED_OVERRIDES = {"scheduling_policy": "priority", "enable_prefix_caching": "false"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                  parse_length(args.output_len), 1)
     report: dict = {"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
                                  "output_len": args.output_len}, "sweep": [], "throughput": [], "interactive": []}
-    with tempfile.TemporaryDirectory(prefix="batch-bench-") as work, served(_priority_repository(args, Path(work))) as server:
+    with tempfile.TemporaryDirectory(prefix="batch-bench-") as work, served(args, SERVED_OVERRIDES) as server:
         url, work_dir = server.grpc_url, Path(work)
         run_workload(url, "llm", items[:4], ArrivalPattern("concurrency", 4), timeout_s=args.timeout)  # warm-up
         for concurrency in (() if args.interactive_only else (int(c) for c in args.sweep.split(","))):

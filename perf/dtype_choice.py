@@ -2,7 +2,7 @@
 in the same dtype. What ``dtype: auto`` is decided on (backend/models/loader.resolve_dtype).
 
 Throughput: ``python -m perf.compare --systems engine`` on the same seeded workload, the two dtypes
-alternating, ``--repeat`` rounds, medians. Agreement: the engine's greedy tokens (batched, as it
+alternating, ``--repeat`` rounds, medians (perf.runtime_settings' rounds, a child process each). Agreement: the engine's greedy tokens (batched, as it
 serves) against transformers ``generate()`` in the same dtype, on ``--prompts`` prompts written
 for the repository (data/demo_corpus.txt slices and chat prompts) of ``--max-tokens`` tokens each:
 the share of prompts that are token-for-token equal, and of tokens before the first difference.
@@ -13,32 +13,19 @@ the share of prompts that are token-for-token equal, and of tokens before the fi
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from backend.paths import REPO_ROOT
+from perf import engine_driver
+from perf.runtime_settings import MIXED_WORKLOAD, alternate
 
 MODELS = {  # name -> (model repository, model folder)
     "smollm2": (REPO_ROOT / "model_repository", REPO_ROOT / "models" / "smollm2-135m-instruct"),
     "demo": (REPO_ROOT / "models" / "demo-repository", REPO_ROOT / "models" / "demo-llama"),
 }
-WORKLOAD = ["--num-requests", "64", "--input-len", "uniform:16:512", "--output-len", "uniform:16:256"]
-RESULT = re.compile(r"our engine in-process: \d+ tokens in [\d.]+ s = ([\d.]+) out tok/s")
-
-
-def throughput(repository: Path, dtype: str) -> float | None:
-    command = [sys.executable, "-m", "perf.compare", "--systems", "engine", "--model-repository", str(repository),
-               *WORKLOAD, "--dtype", dtype, "--out-dir", str(REPO_ROOT / "build" / "dtype_choice")]
-    run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
-    found = RESULT.search(run.stdout)
-    if found is None:
-        print(run.stderr[-2000:], file=sys.stderr)
-    return None if found is None else float(found.group(1))
 
 
 def prompts(folder: Path, count: int) -> list[list[int]]:
@@ -74,8 +61,8 @@ def agreement(folder: Path, repository: Path, dtype: str, count: int, max_tokens
                                  min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
             want.append(out[0, len(prompt):].tolist())
     engine = LLMEngine(engine_config_from_model_folder(str(repository / "llm"), dtype=dtype))
-    got = engine.generate(ids, SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0))
-    got = [g.output_token_ids for g in got]
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
+    got = [record.token_ids for record in engine_driver.run(engine, [(prompt, params) for prompt in ids]).records]
     exact = sum(1 for a, b in zip(got, want, strict=True) if list(a) == list(b))
     prefix = 0
     for a, b in zip(got, want, strict=True):
@@ -95,14 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.models.split(","):
         repository, folder = MODELS[name]
-        speeds: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+        dtypes = ("float32", "bfloat16")
+        speeds: dict[str, list[float]] = {dtype: [] for dtype in dtypes}
         if not args.skip_throughput:
-            for round_index in range(args.repeat):
-                for dtype in speeds:
-                    value = throughput(repository, dtype)
-                    print(f"{name} round {round_index + 1} {dtype}: {value} out tok/s", flush=True)
-                    if value is not None:
-                        speeds[dtype].append(value)
+            print(f"{name}: throughput", flush=True)
+            speeds = alternate({dtype: (["--model-repository", str(repository), *MIXED_WORKLOAD, "--dtype", dtype], None)
+                                for dtype in dtypes}, args.repeat, REPO_ROOT / "build" / "dtype_choice" / name)
         for dtype in speeds:
             exact, prefix = agreement(folder, repository, dtype, args.prompts, args.max_tokens)
             print(f"{name} {dtype}: {exact:.0%} of prompts equal to transformers, {prefix:.1%} of tokens before the "

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -30,31 +29,24 @@ from pathlib import Path
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
-from perf.served import DEFAULT_MODEL_REPOSITORY, RESULTS_DIR, write_report
+from client.bench.workload import SharedPrefix
+from perf import engine_driver
+from perf.served import RESULTS_DIR, write_report
 
 SYSTEMS = ("recompute", "disk tier", "host tier")
 TIERS = {"recompute": "none", "disk tier": "disk", "host tier": "host"}
 
 
-def build(system: str, offload_dir: str, num_blocks: int, policy: str) -> LLMEngine:
+def build(model_folder: str, system: str, offload_dir: str, num_blocks: int, policy: str) -> LLMEngine:
     overrides = {"num_kv_blocks": str(num_blocks), "kv_offload_tier": TIERS[system],
                  "kv_offload_dir": offload_dir, "kv_offload_load_policy": policy, "kv_offload_bytes": str(4 << 30)}
-    return LLMEngine(engine_config_from_model_folder(str(DEFAULT_MODEL_REPOSITORY / "llm"), **overrides))
+    return LLMEngine(engine_config_from_model_folder(model_folder, **overrides))
 
 
-def ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, list[int]]:
+def ttft(engine: LLMEngine, label: str, prompt: list[int]) -> tuple[float, list[int]]:
     """Seconds from submission to the first token, and the first 8 greedy tokens (a parity check)."""
-    start = time.perf_counter()
-    engine.add_request(request_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
-    first = None
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for output in engine.step().outputs:
-            if output.new_token_ids and first is None:
-                first = time.perf_counter() - start
-            tokens.extend(output.new_token_ids)
-    return first, tokens
+    (record,) = engine_driver.run(engine, [(prompt, 8)], label=label).records
+    return record.ttft, record.token_ids
 
 
 def drop_page_cache() -> bool:
@@ -68,38 +60,43 @@ def drop_page_cache() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    engine_driver.add_model_folder_argument(parser)
     parser.add_argument("--prefix-tokens", type=int, default=2000)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--policy", default="auto", choices=("auto", "always"))
     parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each disk load (root)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
-    rng = random.Random(19)
-    vocab = 49000  # token ids straight from SmolLM2's vocabulary: the prefix's content does not matter here
-    prefix = [rng.randrange(100, vocab) for _ in range(args.prefix_tokens)]
     block_size = 16
     num_blocks = (args.prefix_tokens + 600) // block_size  # the prefix and one filler: a filler evicts it
     work = Path(tempfile.mkdtemp(prefix="kv-offload-bench-"))
     offload_dir = str(work / "tier")
-    engines = {s: build(s, offload_dir + ("-host" if s == "host tier" else ""), num_blocks, args.policy) for s in SYSTEMS}
+    engines = {s: build(args.model_folder, s, offload_dir + ("-host" if s == "host tier" else ""), num_blocks, args.policy) for s in SYSTEMS}
     meta = engines["recompute"].model_runner
+    model_name = Path(engines["recompute"].config.model.model_dir).name
+    # client.bench's workload on the model's tokenizer (the prompts' content does not matter here):
+    # the shared prefix + a new 20-token question per trial (the first warms the pools, the last is
+    # asked after the restart), and fillers that evict the prefix from a pool.
+    builder = engine_driver.prompt_builder(engines["recompute"].config)
+    asked = [prompt for prompt, _ in engine_driver.token_workload(
+        builder, args.trials + 2, "20", "8", 19, SharedPrefix(1, args.prefix_tokens))]
+    fillers = [prompt for prompt, _ in engine_driver.token_workload(
+        builder, args.trials, str(num_blocks * block_size - 2 * block_size), "8", 20)]
     print(f"model {meta.shape.num_layers} layers, dtype {meta.dtype}, pool {num_blocks} blocks of {block_size}; "
           f"prefix {args.prefix_tokens} tokens; {args.trials} trials", flush=True)
     times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     first_tokens: dict[str, list[list[int]]] = {s: [] for s in SYSTEMS}
     dropped = []
     for system, engine in engines.items():  # warm-up: the prefix once, into every pool (and tier)
-        ttft(engine, f"warm-{system}", prefix + [1, 2])
+        ttft(engine, f"warm-{system}", asked[0])
     for trial in range(args.trials):
-        question = [rng.randrange(100, vocab) for _ in range(20)]
-        filler = [rng.randrange(100, vocab) for _ in range(num_blocks * block_size - 2 * block_size)]
         for system, engine in engines.items():  # alternating systems within each trial
-            ttft(engine, f"fill-{trial}-{system}", filler)  # evicts the prefix (spilled to the tier)
+            ttft(engine, f"fill-{trial}-{system}", fillers[trial])  # evicts the prefix (spilled to the tier)
             if engine.offloader is not None:
                 engine.offloader.flush()
             if system == "disk tier" and args.drop_caches:
                 dropped.append(drop_page_cache())
-            seconds, tokens = ttft(engine, f"t{trial}-{system}", prefix + question)
+            seconds, tokens = ttft(engine, f"t{trial}-{system}", asked[1 + trial])
             times[system].append(seconds)
             first_tokens[system].append(tokens)
         print(f"trial {trial + 1}/{args.trials}: " + ", ".join(f"{s} {times[s][-1] * 1000:.0f} ms" for s in SYSTEMS),
@@ -109,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     rates = {s: (e.offloader.read_bytes_per_second, e.offloader.prefill_tokens_per_second)
              for s, e in engines.items() if e.offloader is not None}
     # Restart: close (the disk tier keeps the pool's prefixes), start anew, time the first request.
-    question = [rng.randrange(100, vocab) for _ in range(20)]
     restart: dict[str, float] = {}
     restart_tokens: dict[str, list[int]] = {}
     for system in ("recompute", "disk tier"):
@@ -117,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         del engines[system]
         if system == "disk tier" and args.drop_caches:
             dropped.append(drop_page_cache())
-        engine = build(system, offload_dir, num_blocks, args.policy)
-        restart[system], restart_tokens[system] = ttft(engine, f"restart-{system}", prefix + question)
+        engine = build(args.model_folder, system, offload_dir, num_blocks, args.policy)
+        restart[system], restart_tokens[system] = ttft(engine, f"restart-{system}", asked[-1])
         restored = engine.offloader.stats.restored_blocks if engine.offloader is not None else 0
         print(f"after a restart: {system} {restart[system] * 1000:.0f} ms ({restored} blocks restored)", flush=True)
         engine.close()
@@ -134,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                   else "disk files read through the OS page cache (not dropped)")
     markdown = "\n".join([
         f"KV offload: TTFT of a {args.prefix_tokens}-token shared prefix evicted from the pool "
-        f"(engine level, SmolLM2-135M, {meta.dtype}, {args.trials} trials, policy {args.policy}; {page_cache})",
+        f"(engine level, {model_name}, {meta.dtype}, {args.trials} trials, policy {args.policy}; {page_cache})",
         "",
         "| system | TTFT p50 ms | min | max | recompute / system |",
         "| --- | --- | --- | --- | --- |",

@@ -1,8 +1,8 @@
 """Parallel sampling: n = 4 samples of one request against 4 separate requests with the same
 prompt, at the same KV pool size (issue 16).
 
-Engine level, the real default model, prefix caching off (so the separate requests share
-nothing): both workloads generate the same number of tokens from the same prompts with the same
+Engine level, the `llm` model's config (``--model-folder`` picks another), prefix caching off (so
+the separate requests share nothing), client.bench's prompts on the model's tokenizer: both workloads generate the same number of tokens from the same prompts with the same
 seeds (sample i of a request with seed s is the request alone with seed s + i, so the tokens are
 equal, which the run checks), alternating, ``--repeat`` times. Reported: wall time, output
 tokens/s, peak KV blocks in use, prefill tokens computed, preemptions.
@@ -17,7 +17,6 @@ enough for both: peak KV blocks in use and output tokens/s, and the same beams f
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -26,66 +25,44 @@ from pathlib import Path
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
-from perf.served import DEFAULT_MODEL_REPOSITORY, RESULTS_DIR, write_report
+from perf import engine_driver
+from perf.served import RESULTS_DIR, write_report
 
 N = 4
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], output_tokens: int, shared: bool) -> dict:
-    """All requests at once; returns the measurements and every sample's tokens (in a fixed order)."""
-    engine.scheduler.num_preemptions = 0
-    ids = []
-    for index, prompt in enumerate(prompts):
-        if shared:
-            params = SamplingParams(max_tokens=output_tokens, temperature=0.8, seed=1000 * index, n=N, ignore_eos=True)
-            ids.append([(f"g{index}", i) for i in range(N)])
-            engine.add_request(f"g{index}", prompt_token_ids=prompt, sampling_params=params)
-        else:
-            ids.append([])
-            for i in range(N):
-                params = SamplingParams(max_tokens=output_tokens, temperature=0.8, seed=1000 * index + i, ignore_eos=True)
-                engine.add_request(f"s{index}-{i}", prompt_token_ids=prompt, sampling_params=params)
-                ids[-1].append((f"s{index}-{i}", 0))
-    tokens: dict[tuple[str, int], list[int]] = {}
-    peak, prefill, start = 0, 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        step = engine.step()
+def requests(prompts: list[list[int]], output_tokens: int, shared: bool, beam: bool) -> list:
+    """The workload's requests: per prompt one with N samples (or N beams), or N of one sample each."""
+    if beam:
+        return [(prompt, SamplingParams(max_tokens=output_tokens, beam_width=N, n=1)) for prompt in prompts]
+    if shared:
+        return [(prompt, SamplingParams(max_tokens=output_tokens, temperature=0.8, seed=1000 * index, n=N,
+                                        ignore_eos=True)) for index, prompt in enumerate(prompts)]
+    return [(prompt, SamplingParams(max_tokens=output_tokens, temperature=0.8, seed=1000 * index + i, ignore_eos=True))
+            for index, prompt in enumerate(prompts) for i in range(N)]
+
+
+def run(engine: LLMEngine, work: list, label: str) -> dict:
+    """All requests at once; returns the measurements and every sample's tokens (in request order)."""
+    usable = engine.num_kv_blocks - 1
+    peak, prefill = 0, 0
+
+    def on_step(step) -> None:
+        nonlocal peak, prefill
         prefill += step.stats.num_prefill_tokens
-        usable = engine.num_kv_blocks - 1
         peak = max(peak, usable - engine.kv_cache_manager.num_free_blocks)
-        for output in step.outputs:
-            tokens.setdefault((output.request_id, output.sequence_index), []).extend(output.new_token_ids)
-    seconds = time.perf_counter() - start
-    generated = sum(len(t) for t in tokens.values())
-    return {"seconds": seconds, "tokens_per_second": generated / seconds, "peak_blocks": peak,
-            "prefill_tokens": prefill, "preemptions": engine.scheduler.num_preemptions,
-            "tokens": [tokens[key] for row in ids for key in row]}
 
-
-def run_beams(engine: LLMEngine, prompts: list[list[int]], output_tokens: int, share: bool) -> dict:
-    engine.kv_cache_manager.share_forks = share
-    engine.scheduler.num_preemptions = 0
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"b{index}", prompt_token_ids=prompt,
-                           sampling_params=SamplingParams(max_tokens=output_tokens, beam_width=N, n=1))
-    tokens: dict[str, list[int]] = {}
-    peak, prefill, start = 0, 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        step = engine.step()
-        prefill += step.stats.num_prefill_tokens
-        peak = max(peak, engine.num_kv_blocks - 1 - engine.kv_cache_manager.num_free_blocks)
-        for output in step.outputs:
-            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-    seconds = time.perf_counter() - start
-    engine.kv_cache_manager.share_forks = True
-    generated = sum(len(t) for t in tokens.values())
-    return {"seconds": seconds, "tokens_per_second": generated / seconds, "peak_blocks": peak,
-            "prefill_tokens": prefill, "preemptions": engine.scheduler.num_preemptions,
-            "tokens": [tokens[f"b{i}"] for i in range(len(prompts))]}
+    preemptions = engine.stats().num_preemptions
+    done = engine_driver.run(engine, work, on_step=on_step, label=label)
+    return {"seconds": done.duration_s, "tokens_per_second": done.driver.num_tokens / done.duration_s,
+            "peak_blocks": peak, "prefill_tokens": prefill,
+            "preemptions": engine.stats().num_preemptions - preemptions,
+            "tokens": [tokens for record in done.records for tokens in record.sample_token_ids]}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    engine_driver.add_model_folder_argument(parser)
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=64)
@@ -96,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     engine = LLMEngine(engine_config_from_model_folder(
-        str(DEFAULT_MODEL_REPOSITORY / "llm"), enable_prefix_caching="false", num_kv_blocks=str(args.num_kv_blocks),
-        dtype=args.dtype))
-    rng = random.Random(16)
-    prompts = [[rng.randrange(100, 49000) for _ in range(args.prompt_tokens)] for _ in range(args.num_prompts)]
+        args.model_folder, enable_prefix_caching="false", num_kv_blocks=str(args.num_kv_blocks), dtype=args.dtype))
+    builder = engine_driver.prompt_builder(engine.config)
+    prompts = [prompt for prompt, _ in engine_driver.token_workload(
+        builder, args.num_prompts, str(args.prompt_tokens), "1", 16)]
     print(f"{args.num_prompts} prompts of {args.prompt_tokens} tokens, {N} samples each, {args.output_tokens} output "
           f"tokens; pool {args.num_kv_blocks} blocks of {engine.model_runner.block_size}; dtype {engine.model_runner.dtype}",
           flush=True)
@@ -108,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {name: [] for name, _ in names}
     for round_ in range(args.repeat):
         for name, shared in names:
-            result = (run_beams if args.beam else run)(engine, prompts, args.output_tokens, shared)
+            if args.beam:
+                engine.kv_cache_manager.share_forks = shared
+            result = run(engine, requests(prompts, args.output_tokens, shared, args.beam), f"{round_}-{shared}")
+            engine.kv_cache_manager.share_forks = True
             results[name].append(result)
             print(f"round {round_ + 1}/{args.repeat} {name}: {result['seconds']:.1f} s, "
                   f"{result['tokens_per_second']:.1f} tok/s, peak {result['peak_blocks']} blocks, "
@@ -123,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"{what} {args.num_prompts} prompts x {N} {'beams' if args.beam else 'samples'}, {args.prompt_tokens}-token prompts, "
         f"{args.output_tokens} output tokens, prefix caching off, pool {args.num_kv_blocks} blocks "
-        f"(engine level, SmolLM2-135M, {engine.model_runner.dtype}; medians of {args.repeat})",
+        f"(engine level, {Path(engine.config.model.model_dir).name}, {engine.model_runner.dtype}; medians of {args.repeat})",
         "",
         "| workload | wall s | output tok/s | peak KV blocks | prefill tokens | preemptions |",
         "| --- | --- | --- | --- | --- | --- |",

@@ -18,14 +18,13 @@ tokens alongside the decodes), the step shape that dominates under steady arriva
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from collections import defaultdict
 
 import torch
 
-from backend.paths import REPO_ROOT
+from perf.engine_driver import add_model_folder_argument
 
 # aten/mkldnn operator name fragments -> category (first match wins)
 CATEGORIES = (
@@ -53,7 +52,7 @@ def category(op_name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.profile_step", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-folder", default=str(REPO_ROOT / "model_repository" / "llm"))
+    add_model_folder_argument(parser)
     parser.add_argument("--batch", type=int, default=32, help="requests decoding together (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20, help="steps timed (default: %(default)s)")
@@ -64,17 +63,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from backend.config import engine_config_from_model_folder
     from backend.engine.llm_engine import LLMEngine
-    from perf.engine_driver import EngineDriver
-    from perf.workload import random_prompt
+    from perf.engine_driver import EngineDriver, prompt_builder, token_workload
 
     overrides = dict(item.split("=", 1) for item in args.set)
     engine = LLMEngine(engine_config_from_model_folder(args.model_folder, **overrides))
     driver = EngineDriver(engine)
-    rng = random.Random(0)
-    for index in range(args.batch):
-        driver.add(f"decode{index}", random_prompt(rng, args.prompt_len, engine.vocab_size), 10 * args.steps + 64,
-                   arrival=time.monotonic())
-    while any(r.num_output_tokens == 0 for r in engine.requests.values()):  # prefill everything first
+    builder = prompt_builder(engine.config)
+    decodes = token_workload(builder, args.batch, str(args.prompt_len), str(10 * args.steps + 64), 0)
+    prefills = token_workload(builder, args.steps if args.mixed else 0, str(args.prompt_len), "1", 1)
+    for index, (prompt, max_tokens) in enumerate(decodes):
+        driver.add(f"decode{index}", prompt, max_tokens, arrival=time.monotonic())
+    while any(r.num_output_tokens == 0 for r in driver.records.values()):  # prefill everything first
         driver.record(driver.step().outputs, time.monotonic())
     for _ in range(3):  # warm-up decode steps
         driver.record(driver.step().outputs, time.monotonic())
@@ -86,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     for step in range(args.steps):
         if args.mixed:
-            driver.add(f"prefill{step}", random_prompt(rng, args.prompt_len, engine.vocab_size), 1,
-                       arrival=time.monotonic())
+            driver.add(f"prefill{step}", *prefills[step], arrival=time.monotonic())
         with torch.profiler.profile(activities=activities) as profiler:
             start = time.perf_counter()
             step_output = driver.step(timings=True)

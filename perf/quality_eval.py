@@ -13,8 +13,7 @@ attention backend), a tritonserver is started and scored on:
    item's four choices.
 
 A configuration whose perplexity is more than 0.5% off transformers float32, or whose accuracy is
-more than 2 points off the float32 configuration's, is named a regression. Speculative decoding
-is not built yet (issue 17); its rows join when it is. Results:
+more than 2 points off the float32 configuration's, is named a regression. Results:
 perf/results/quality/<UTC time>/quality.{json,md}.
 """
 
@@ -22,18 +21,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from backend.config import engine_config_from_model_folder
 from backend.paths import REPO_ROOT
-from backend.server.launcher import start_server
+from client.bench.arrivals import ArrivalPattern
+from client.bench.runner import run_workload
+from client.bench.workload import WorkItem
 from client.stream import StreamingClient
-from perf.compare.repository import repository_with_overrides
 from perf.quality.qa_items import ITEMS
 from perf.quality.scoring import accuracy, perplexity, reference_logprobs, regressions
-from perf.served import DEFAULT_MODEL_REPOSITORY, generate_all, report_dir, write_report
+from perf.served import DEFAULT_MODEL_REPOSITORY, report_dir, tritonserver, write_report
 
 HELDOUT = REPO_ROOT / "data" / "quality" / "heldout.txt"
 CONFIGS = {  # name -> config.pbtxt overrides; the first is the baseline
@@ -54,17 +52,17 @@ def score_perplexity(client: StreamingClient, text: str) -> tuple[list[int], lis
 
 
 def answer_items(url: str, concurrency: int) -> dict[str, str | None]:
-    requests = [(item.prompt(), {"max_tokens": 16, "sampling_parameters": {
+    """Every item's greedy answer (None where its request failed), ``concurrency`` in flight."""
+    items = [WorkItem(item.prompt(), 0, 16, inputs={"stream": False, "sampling_parameters": {
         "structured_outputs": {"choice": item.constrained_choices()}}}) for item in ITEMS]
-    results = generate_all(url, requests, concurrency, timeout=300)
-    return {item.id: None if result.error else result.text.strip() for item, result in zip(ITEMS, results, strict=True)}
+    completed, _ = run_workload(url, "llm", items, ArrivalPattern("concurrency", concurrency), timeout_s=300)
+    return {item.id: None if done.record.error else done.text.strip()
+            for item, done in zip(ITEMS, completed, strict=True)}
 
 
-def evaluate(name: str, overrides: dict[str, str], concurrency: int, work_dir: Path) -> dict:
-    repository = repository_with_overrides(DEFAULT_MODEL_REPOSITORY, "llm", overrides, work_dir / name.replace(" ", "_"))
+def evaluate(name: str, overrides: dict[str, str], concurrency: int) -> dict:
     print(f"[{name}] starting tritonserver ({overrides}) ...", flush=True)
-    server = start_server(repository, ready_timeout=600)
-    try:
+    with tritonserver(DEFAULT_MODEL_REPOSITORY, overrides, ready_timeout=600) as server:
         started = time.monotonic()
         with StreamingClient(server.grpc_url) as client:
             prompt_ids, logprobs = score_perplexity(client, HELDOUT.read_text(encoding="utf-8"))
@@ -76,8 +74,6 @@ def evaluate(name: str, overrides: dict[str, str], concurrency: int, work_dir: P
                "failed_answers": sum(a is None for a in answers.values()), "seconds": time.monotonic() - started}
         print(f"[{name}] accuracy {row['accuracy']['all']:.1f}% ({row['seconds']:.0f} s)", flush=True)
         return row
-    finally:
-        server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,10 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown configuration {unknown[0]!r} (known: {'; '.join(CONFIGS)})")
     out = report_dir(args, "quality")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="quality-eval-") as work_dir:
-        for name in names:
-            rows.append(evaluate(name, CONFIGS[name], args.concurrency, Path(work_dir)))
+    rows = [evaluate(name, CONFIGS[name], args.concurrency) for name in names]
     model_dir = engine_config_from_model_folder(str(DEFAULT_MODEL_REPOSITORY / "llm")).model.model_dir
     if any(row["prompt_ids"] != rows[0]["prompt_ids"] for row in rows):
         raise RuntimeError("the configurations tokenized the held-out text differently")

@@ -20,14 +20,13 @@ import shutil
 import sys
 from pathlib import Path
 
+from backend.paths import REPO_ROOT
 from perf.perf_analyzer_env import perf_analyzer_environment, perf_analyzer_problem
 from perf.served import (
-    REPO_ROOT,
-    add_load_arguments,
-    add_server_arguments,
     parse_tool_args,
     run_logged,
     served,
+    tool_parser,
 )
 
 
@@ -48,10 +47,7 @@ def genai_perf_problem() -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m perf.run_genai_perf", description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_server_arguments(parser)
-    add_load_arguments(parser, "synthetic prompt tokens", "genai_perf")
+    parser = tool_parser("python -m perf.run_genai_perf", __doc__, "synthetic prompt tokens", "genai_perf")
     parser.add_argument("--concurrency", default="1,4", help="comma-separated; one genai-perf run each (default: %(default)s)")
     parser.add_argument("--measurement-interval-ms", type=int, default=None, help="genai-perf -p (default: its 10000)")
     return parser

@@ -10,26 +10,39 @@ with max_tokens=--output-len, ignore_eos=true and stream=true. The report folder
 (default perf/results/perf_analyzer/<UTC time>) keeps the input JSON, perf_analyzer's CSV (-f),
 its profile export (per-request and per-response timestamps), token_metrics.json (that export
 read with client.bench's TTFT/ITL/TPOT definitions) and its console log.
+
+    python -m perf.run_perf_analyzer --tokenizer-batching [--concurrency-range 1:64:x] [--model-repository DIR]
+
+instead sweeps the `tokenizer` model as shipped (dynamic batcher) and ``tokenizer_nobatch`` (the
+same model without its dynamic_batching block) in one server started here, one perf_analyzer run
+per model and concurrency (``start:end:x`` doubles, ``start:end:step`` adds, or a list), and writes
+their CSVs and tokenizer_table.md (throughput, p50/p99 latency, and requests per execution from
+Triton's statistics: the batch the dynamic batcher made).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from backend.paths import REPO_ROOT
 from client.bench.prompts import PromptBuilder
+from perf.compare.repository import repository_with_overrides
 from perf.perf_analyzer_env import find_perf_analyzer, perf_analyzer_environment, perf_analyzer_problem
 from perf.profile_export_stats import summarize_export
 from perf.served import (
-    add_load_arguments,
-    add_server_arguments,
     parse_tool_args,
     run_logged,
     served,
+    tool_parser,
+    tritonserver,
 )
 
 
@@ -47,16 +60,77 @@ def write_input_data(path: Path, tokenizer_dir: str, num_prompts: int, input_len
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m perf.run_perf_analyzer", description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_server_arguments(parser)
-    add_load_arguments(parser, "prompt tokens", "perf_analyzer")
+    parser = tool_parser("python -m perf.run_perf_analyzer", __doc__, "prompt tokens", "perf_analyzer")
     parser.add_argument("--concurrency-range", default="1:8:1", help="start:end:step (default: %(default)s)")
     parser.add_argument("--measurement-request-count", type=int, default=None,
                         help="count windows of this many requests instead of 5 s time windows")
     parser.add_argument("--stability-percentage", type=float, default=None, help="perf_analyzer -s (default: its 10)")
     parser.add_argument("--max-trials", type=int, default=None, help="perf_analyzer -r (default: its 10)")
+    parser.add_argument("--tokenizer-batching", action="store_true",
+                        help="sweep the tokenizer model with and without its dynamic batcher instead (see below)")
     return parser
+
+
+def concurrencies(spec: str) -> list[int]:
+    """"1:64:x" doubles from 1 to 64, "1:8:2" steps by 2, "1,4,16" lists."""
+    if spec.count(":") == 2:
+        start, end, step = spec.split(":")
+        values, value = [], int(start)
+        while value <= int(end):
+            values.append(value)
+            value = value * 2 if step == "x" else value + int(step)
+        return values
+    return [int(v) for v in spec.split(",")]
+
+
+def without_dynamic_batching(config: str) -> str:
+    return re.sub(r"dynamic_batching \{.*?\n\}\n", "", config, count=1, flags=re.S)
+
+
+def tokenizer_batching(args: argparse.Namespace, out_dir: Path) -> int:
+    """perf_analyzer on `tokenizer` and `tokenizer_nobatch` (see the module docstring)."""
+    import tritonclient.grpc as grpcclient  # noqa: PLC0415
+
+    corpus = (REPO_ROOT / "data" / "demo_corpus.txt").read_text().split()
+    data = [{"text_input": [" ".join(corpus[i * 37 % len(corpus):][:20 + i % 60])]} for i in range(200)]
+    input_data = out_dir / "tokenizer_input.json"
+    input_data.write_text(json.dumps({"data": data}))
+    lines = ["| model | concurrency | infer/s | p50 latency ms | p99 latency ms | requests per execution |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    source = Path(args.model_repository)
+    with tempfile.TemporaryDirectory(prefix="tokenizer-batching-") as work:
+        repository_with_overrides(source, "tokenizer", {}, Path(work))
+        repository_with_overrides(source, "tokenizer", {}, Path(work), name="tokenizer_nobatch",
+                                  edit=without_dynamic_batching)
+        with tritonserver(work) as server:
+            admin = grpcclient.InferenceServerClient(server.grpc_url)
+            for model in ("tokenizer", "tokenizer_nobatch"):
+                for concurrency in concurrencies(args.concurrency_range):
+                    before = admin.get_inference_statistics(model, as_json=True)["model_stats"][0]
+                    report = out_dir / f"{model}_c{concurrency}.csv"
+                    # Shared cores make windows differ: accept +-30 % unless told, and report a point that never settles.
+                    stability = 30 if args.stability_percentage is None else args.stability_percentage
+                    code = run_logged([str(find_perf_analyzer()), "-m", model, "-i", "grpc", "-u", server.grpc_url,
+                                       "--concurrency-range", str(concurrency), "--input-data", str(input_data),
+                                       "--measurement-interval", "2000", "-s", f"{stability:g}", "-f", str(report)],
+                                      out_dir / f"{model}_c{concurrency}.log", args.timeout,
+                                      perf_analyzer_environment())
+                    after = admin.get_inference_statistics(model, as_json=True)["model_stats"][0]
+                    inferences = int(after.get("inference_count", 0)) - int(before.get("inference_count", 0))
+                    executions = int(after.get("execution_count", 0)) - int(before.get("execution_count", 0))
+                    per_execution = f"{inferences / max(executions, 1):.2f}"
+                    if code != 0 or not report.exists():
+                        lines.append(f"| {model} | {concurrency} | unstable | - | - | {per_execution} |")
+                        continue
+                    row = next(csv.DictReader(report.open()))
+                    lines.append(f"| {model} | {concurrency} | {float(row['Inferences/Second']):.0f} | "
+                                 f"{int(row['p50 latency']) / 1000:.2f} | {int(row['p99 latency']) / 1000:.2f} | "
+                                 f"{per_execution} |")
+            admin.close()
+    table = "\n".join(lines)
+    (out_dir / "tokenizer_table.md").write_text(table + "\n")
+    print(table)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         return parsed
     args, extra, out_dir = parsed
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.tokenizer_batching:
+        if args.url:
+            print("error: --tokenizer-batching starts its own server (it serves tokenizer_nobatch too)", file=sys.stderr)
+            return 2
+        return tokenizer_batching(args, out_dir)
     input_data = out_dir / "input_data.json"
     write_input_data(input_data, args.tokenizer, args.num_prompts, args.input_len, args.output_len, args.seed)
     with served(args) as server:

@@ -2,8 +2,10 @@
 
 vLLM's tuned CPU setup binds its OpenMP threads to cores and preloads tcmalloc; this measures
 whether either helps our engine here. Each setup is a fresh ``python -m perf.compare --systems
-engine`` process (LD_PRELOAD and OMP_* are read at process start) on the same seeded workload;
-the setups run in turn, ``--repeat`` rounds, and the table gives each one's median.
+engine`` process (LD_PRELOAD and OMP_* are read at process start, so they go in the child's
+environment) on the same seeded workload; the setups run in turn, ``--repeat`` rounds, and the
+table gives each one's median. perf.dtype_choice measures its dtypes with the same rounds
+(``alternate``).
 
     .venv/bin/python -m perf.runtime_settings [--setups default,tcmalloc,jemalloc,bind] [--repeat 3] \\
         [-- perf.compare arguments, default: the mixed workload in bfloat16]
@@ -16,11 +18,12 @@ raises), ``tcmalloc`` / ``jemalloc`` (LD_PRELOAD of the system library, skipped 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from backend.paths import REPO_ROOT
 
@@ -29,9 +32,36 @@ ALLOCATORS = {
     "jemalloc": ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",),
 }
 BIND = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
-MIXED = ["--num-requests", "64", "--input-len", "uniform:16:512", "--output-len", "uniform:16:256",
-         "--dtype", "bfloat16"]
-RESULT = re.compile(r"our engine in-process: \d+ tokens in [\d.]+ s = ([\d.]+) out tok/s")
+MIXED_WORKLOAD = ["--num-requests", "64", "--input-len", "uniform:16:512", "--output-len", "uniform:16:256"]
+MIXED = [*MIXED_WORKLOAD, "--dtype", "bfloat16"]
+
+
+def engine_throughput(compare_args: list[str], out_dir: Path, env: dict[str, str] | None = None) -> float | None:
+    """Output tok/s of ``python -m perf.compare --systems engine`` run in a child process with
+    ``compare_args`` (and ``env``, its environment), from its compare.json; None when it failed."""
+    report = out_dir / "compare.json"
+    report.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "perf.compare", "--systems", "engine", *compare_args, "--out-dir", str(out_dir)]
+    run = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    if run.returncode != 0 or not report.exists():
+        print(f"perf.compare exited with {run.returncode}\n{run.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(report.read_text())["results"][0]["output_token_throughput"]
+
+
+def alternate(setups: dict[str, tuple[list[str], dict[str, str] | None]], repeat: int,
+              out_root: Path) -> dict[str, list[float]]:
+    """``repeat`` rounds of every setup (its perf.compare arguments, its environment) in turn:
+    each setup's output tok/s per round."""
+    results: dict[str, list[float]] = {name: [] for name in setups}
+    for round_index in range(repeat):
+        for name, (compare_args, env) in setups.items():
+            value = engine_throughput(compare_args, out_root / name.replace(" ", "_"), env)
+            shown = "no result" if value is None else f"{value:.1f} out tok/s"
+            print(f"round {round_index + 1}/{repeat} {name}: {shown}", flush=True)
+            if value is not None:
+                results[name].append(value)
+    return results
 
 
 def setup_environment(name: str) -> dict[str, str] | None:
@@ -68,19 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         if env is None:
             print(f"{name}: its library is not installed here, skipped")
             continue
-        setups[name] = env
-    results: dict[str, list[float]] = {name: [] for name in setups}
-    for round_index in range(args.repeat):
-        for name, env in setups.items():
-            command = [sys.executable, "-m", "perf.compare", "--systems", "engine", *compare_args,
-                       "--out-dir", str(REPO_ROOT / "build" / "runtime_settings" / name)]
-            run = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
-            found = RESULT.search(run.stdout)
-            if found is None:
-                print(f"round {round_index + 1} {name}: no result (exit {run.returncode})\n{run.stderr[-2000:]}")
-                continue
-            results[name].append(float(found.group(1)))
-            print(f"round {round_index + 1}/{args.repeat} {name}: {found.group(1)} out tok/s", flush=True)
+        setups[name] = (compare_args, env)
+    results = alternate(setups, args.repeat, REPO_ROOT / "build" / "runtime_settings")
     base = statistics.median(results["default"]) if results.get("default") else None
     print("\n| setup | out tok/s per round | median | vs default |\n| --- | --- | ---: | ---: |")
     for name, values in results.items():

@@ -1,8 +1,10 @@
-"""What the tool runners (perf_analyzer, genai-perf) share: the server to benchmark (an existing one
-with --url, or tritonserver started on free ports and always stopped), the load options, the
-report folder, and running the tool with its console echoed and logged.
+"""What the served benchmarks share: the server to benchmark (an existing one with --url, or
+tritonserver started on free ports, on the repository as is or on a copy with some config.pbtxt
+parameters changed, and always stopped), the tool runners' load options, the report folder, and
+running a tool (perf_analyzer, genai-perf) with its console echoed and logged. Requests go through
+client.bench's load generator (client.bench.runner.run_workload).
 
-Every perf script takes the same server options, so a run against `make serve` and a
+Every served benchmark takes the same server options, so a run against `make serve` and a
 self-contained run differ only in ``--url``.
 """
 
@@ -12,17 +14,16 @@ import argparse
 import contextlib
 import datetime
 import json
-import queue
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from backend.paths import REPO_ROOT
 from backend.server.launcher import TritonServer, start_server
-from client.stream import StreamingClient, StreamResult
+from perf.compare.repository import repository_with_overrides
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 RESULTS_DIR = REPO_ROOT / "perf" / "results"
@@ -31,20 +32,22 @@ RESULTS_DIR = REPO_ROOT / "perf" / "results"
 @dataclass(frozen=True, slots=True)
 class Served:
     grpc_url: str
-    http_url: str
     server: TritonServer | None  # None: someone else's server
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None,
                         help="gRPC address of a running server (default: start one on free ports, stop it after)")
-    parser.add_argument("--http-url", default=None, help="its HTTP address (default: the gRPC host, port 8000)")
     parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY),
                         help="what a started server serves (default: %(default)s)")
 
 
-def add_load_arguments(parser: argparse.ArgumentParser, input_help: str, results_name: str) -> None:
-    """--model, --input-len, --output-len, --num-prompts, --tokenizer, --seed, --timeout, --out-dir."""
+def tool_parser(prog: str, doc: str, input_help: str, results_name: str) -> argparse.ArgumentParser:
+    """A tool runner's parser (``doc``: its module docstring): the server options and --model,
+    --input-len, --output-len, --num-prompts, --tokenizer, --seed, --timeout, --out-dir."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0], epilog=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_arguments(parser)
     parser.add_argument("--model", default="llm")
     parser.add_argument("--input-len", type=int, default=128, help=f"{input_help} (default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens, forced (default: %(default)s)")
@@ -53,6 +56,7 @@ def add_load_arguments(parser: argparse.ArgumentParser, input_help: str, results
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one tool run may take")
     parser.add_argument("--out-dir", default=None, help=f"report folder (default: perf/results/{results_name}/<UTC time>)")
+    return parser
 
 
 def parse_tool_args(parser: argparse.ArgumentParser, argv: list[str] | None, problem: str | None,
@@ -85,32 +89,6 @@ def write_report(out: Path, name: str, document: dict, markdown: str) -> None:
     print(f"results: {out}")
 
 
-def generate_all(url: str, requests: list[tuple[str | None, dict]], concurrency: int,
-                 timeout: float) -> list[StreamResult]:
-    """Each (prompt, generate() options) from ``concurrency`` closed-loop clients, each on its own
-    gRPC stream (a stream's error carries no request id); the results in request order."""
-    work: queue.SimpleQueue = queue.SimpleQueue()
-    for index, request in enumerate(requests):
-        work.put((index, request))
-    results: list[StreamResult | None] = [None] * len(requests)
-
-    def client_loop() -> None:
-        with StreamingClient(url) as client:
-            while True:
-                try:
-                    index, (prompt, options) = work.get_nowait()
-                except queue.Empty:
-                    return
-                results[index] = client.generate(prompt, timeout=timeout, **options)
-
-    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
-
-
 def run_logged(command: list[str], log_path: Path, timeout: float, env: dict[str, str],
                cwd: Path | None = None) -> int:
     """Runs a tool, echoing its console and keeping it in ``log_path``; killed after ``timeout``."""
@@ -131,16 +109,31 @@ def run_logged(command: list[str], log_path: Path, timeout: float, env: dict[str
 
 
 @contextlib.contextmanager
-def served(args: argparse.Namespace) -> Iterator[Served]:
-    """Yields the server to use; a server started here is stopped (with its stubs) on exit."""
+def tritonserver(model_repository: str | Path, overrides: dict[str, str] | None = None, model: str = "llm",
+                 ready_timeout: float = 300.0, edit: Callable[[str], str] | None = None) -> Iterator[TritonServer]:
+    """tritonserver on ``model_repository``, or, with ``overrides`` (or ``edit``), on a copy holding
+    only ``model`` with those config.pbtxt parameters changed (perf.compare.repository); stopped
+    (with its stubs) on exit."""
+    with tempfile.TemporaryDirectory(prefix="perf-repository-") as work:
+        repository = model_repository
+        if overrides or edit:
+            repository = repository_with_overrides(Path(model_repository), model, overrides or {}, Path(work),
+                                                   edit=edit)
+        server = start_server(repository, ready_timeout=ready_timeout)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@contextlib.contextmanager
+def served(args: argparse.Namespace, overrides: dict[str, str] | None = None) -> Iterator[Served]:
+    """Yields the server to use: ``args.url``'s (``overrides`` then do not apply: it serves what it
+    serves), or one started here on ``args.model_repository`` (see ``tritonserver``)."""
     if args.url:
-        host = args.url.rsplit(":", 1)[0]
-        yield Served(args.url, args.http_url or f"{host}:8000", None)
+        yield Served(args.url, None)
         return
-    print(f"starting tritonserver on {args.model_repository} ...", flush=True)
-    server = start_server(args.model_repository, ready_timeout=300)
-    try:
+    print(f"starting tritonserver on {args.model_repository} {overrides or ''}...", flush=True)
+    with tritonserver(args.model_repository, overrides) as server:
         print(f"tritonserver ready: gRPC {server.grpc_url}, HTTP {server.http_url}", flush=True)
-        yield Served(server.grpc_url, server.http_url, server)
-    finally:
-        server.stop()
+        yield Served(server.grpc_url, server)

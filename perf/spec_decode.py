@@ -1,13 +1,14 @@
-"""Speculative decoding against none, on the real default model (issue 17).
+"""Speculative decoding against none, on the `llm` model's config (issue 17; ``--model-folder``
+picks another).
 
-One run, the systems side by side in one process (engine level: the decode work speculation
-changes, without Triton's constant per-response cost), each request stream closed-loop at a fixed
-concurrency, systems alternating within each concurrency:
+One run, the systems side by side in one process (engine level, perf/engine_driver.py: the decode
+work speculation changes, without Triton's constant per-response cost), each request stream
+closed-loop at a fixed concurrency, systems alternating within each concurrency:
 
 - ``copy``: chat prompts asking SmolLM2-135M-Instruct to repeat, or lightly edit, a passage of
   several hundred tokens (slices of data/demo_corpus.txt: Python documentation and code), greedy,
   ending at the model's own EOS or max_tokens; at concurrency 1, 4 and 16.
-- ``mixed``: random-token prompts of 64-512 tokens and 64-128 output tokens (ignore_eos), at
+- ``mixed``: client.bench's prompts of 64-512 tokens and 64-128 output tokens (ignore_eos), at
   concurrency 32: a load where the compute slack speculation lives on is gone.
 
 Systems: speculation off; prompt lookup (``ngram``) with the controller (``auto``) and without it
@@ -21,7 +22,7 @@ printed (bfloat16: a verification forward of 1 + k rows may round differently fr
 decode, which can flip a near-tie; float32 runs are token-equal in the tests).
 
 ``--repeat R`` runs every system R times per workload (the order reversed each time) and reports
-medians (this machine is shared: one run can be 10% off). Writes spec_decode.md/.json/.png.
+medians (a shared machine's noise moves single runs). Writes spec_decode.md/.json/.png.
 
     python -m perf.spec_decode [--requests 8] [--concurrency 1,4,16] [--mixed-requests 64] [--repeat 2]
 """
@@ -40,19 +41,21 @@ from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
 from backend.paths import REPO_ROOT
 from backend.spec_decode.truncated_draft import build as build_draft
+from client.bench.arrivals import ArrivalPattern
 from client.bench.report import MISSING_MATPLOTLIB, save_figure
-from perf.served import DEFAULT_MODEL_REPOSITORY, RESULTS_DIR, write_report
-from perf.workload import random_workload
+from perf import engine_driver
+from perf.served import RESULTS_DIR, write_report
 
 TARGET = REPO_ROOT / "models" / "smollm2-135m-instruct"
-DRAFT = REPO_ROOT / "models" / "smollm2-135m-draft6"
+DRAFT = REPO_ROOT / "models" / "smollm2-135m-draft6"  # the draft the real-model tests build too
 DRAFT_LAYERS = 6
+DRAFT_DIR = "{draft}"  # filled in with the draft built from the target
 SYSTEMS = {
     "off": {},
     "ngram": {"speculative_method": "ngram"},
     "ngram-always": {"speculative_method": "ngram", "speculative_controller": "off"},
-    "draft": {"speculative_method": "draft", "speculative_model_dir": str(DRAFT)},
-    "draft-always": {"speculative_method": "draft", "speculative_model_dir": str(DRAFT), "speculative_controller": "off"},
+    "draft": {"speculative_method": "draft", "speculative_model_dir": DRAFT_DIR},
+    "draft-always": {"speculative_method": "draft", "speculative_model_dir": DRAFT_DIR, "speculative_controller": "off"},
 }
 INSTRUCTIONS = (
     "Repeat the following text exactly, with no comment:",
@@ -74,43 +77,30 @@ def copy_prompts(engine: LLMEngine, count: int, passage_chars: int, rng: random.
     return prompts
 
 
+def draft_for(model_dir: Path) -> Path:
+    """The target's first DRAFT_LAYERS layers as a draft model, built once."""
+    same = model_dir.resolve() == TARGET.resolve()
+    return build_draft(model_dir, DRAFT_LAYERS, DRAFT if same else REPO_ROOT / "build" / f"{model_dir.name}-draft{DRAFT_LAYERS}")
+
+
 def run_closed_loop(engine: LLMEngine, work: list[tuple[list[int], SamplingParams]], concurrency: int,
                     label: str) -> dict:
     """Every request of ``work`` with ``concurrency`` in flight; per-request token times."""
-    pending = list(enumerate(work))
-    pending.reverse()
-    times: dict[str, list[float]] = {}
-    tokens: dict[str, list[int]] = {}
-    in_flight = 0
     before = engine.stats()
-    start = time.perf_counter()
-    while pending or in_flight:
-        while pending and in_flight < concurrency:
-            index, (prompt, params) = pending.pop()
-            request_id = f"{label}-{index}"
-            engine.add_request(request_id, prompt_token_ids=prompt, sampling_params=params)
-            times[request_id], tokens[request_id] = [], []
-            in_flight += 1
-        outputs = engine.step().outputs
-        now = time.perf_counter()
-        for output in outputs:
-            times[output.request_id].extend([now] * len(output.new_token_ids))
-            tokens[output.request_id].extend(output.new_token_ids)
-            if output.finished:
-                in_flight -= 1
-    wall = time.perf_counter() - start
+    done = engine_driver.run(engine, work, ArrivalPattern("concurrency", concurrency), label=label)
     after = engine.stats()
-    itl = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
+    times = [record.token_times for record in done.records]
+    itl = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
     proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     steps = after.spec_decode_num_steps - before.spec_decode_num_steps
     speculated = after.spec_decode_num_speculated_steps - before.spec_decode_num_speculated_steps
-    total = sum(len(t) for t in tokens.values())
-    return {"itl_p50_ms": statistics.median(itl) * 1000, "tokens_per_second": total / wall, "wall_s": wall,
-            "output_tokens": total, "proposed": proposed, "accepted": accepted,
+    total = done.driver.num_tokens
+    return {"itl_p50_ms": statistics.median(itl) * 1000, "tokens_per_second": total / done.duration_s,
+            "wall_s": done.duration_s, "output_tokens": total, "proposed": proposed, "accepted": accepted,
             "acceptance": accepted / proposed if proposed else None,
             "speculated_fraction": speculated / steps if steps else None,
-            "tokens": [tokens[f"{label}-{i}"] for i in range(len(work))]}
+            "tokens": [record.token_ids for record in done.records]}
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -155,6 +145,7 @@ def write_plot(rows: list, path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    engine_driver.add_model_folder_argument(parser)
     parser.add_argument("--requests", type=int, default=8, help="copy requests per concurrency level (at least it)")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -166,24 +157,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",")]
-    if any("draft" in s for s in systems):
-        build_draft(TARGET, DRAFT_LAYERS, DRAFT)
-    folder = str(DEFAULT_MODEL_REPOSITORY / "llm")
+    target = Path(engine_config_from_model_folder(args.model_folder).model.model_dir)
+    draft = str(draft_for(target)) if any("draft" in s for s in systems) else None
     engines = {}
     for system in systems:
         started = time.perf_counter()
-        engines[system] = LLMEngine(engine_config_from_model_folder(folder, **SYSTEMS[system]))
+        overrides = {key: draft if value == DRAFT_DIR else value for key, value in SYSTEMS[system].items()}
+        engines[system] = LLMEngine(engine_config_from_model_folder(args.model_folder, **overrides))
         print(f"{system}: engine ready in {time.perf_counter() - started:.1f} s", flush=True)
     first = next(iter(engines.values()))
     rng = random.Random(17)
     levels = [int(c) for c in args.concurrency.split(",") if c]
-    rows, document = [], {"model": str(TARGET), "dtype": str(first.model_runner.dtype), "draft": f"{DRAFT_LAYERS} layers"}
+    rows, document = [], {"model": str(target), "dtype": str(first.model_runner.dtype), "draft": f"{DRAFT_LAYERS} layers"}
     scenarios = [("copy", c, [(p, SamplingParams(max_tokens=args.max_tokens))
                               for p in copy_prompts(first, max(args.requests, c), args.passage_chars, rng)])
                  for c in levels]
-    mixed = random_workload(rng, args.mixed_requests, 49000, (64, 512), (64, 128))
-    scenarios.append(("mixed", args.mixed_concurrency,
-                      [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in mixed]))
+    mixed = engine_driver.token_workload(engine_driver.prompt_builder(first.config), args.mixed_requests,
+                                         "uniform:64:512", "uniform:64:128", 17)
+    scenarios.append(("mixed", args.mixed_concurrency, mixed))
     for workload, concurrency, work in scenarios:
         for engine in engines.values():  # warm-up: a request each (and the draft's first forwards)
             engine.generate([work[0][0][:64]], [SamplingParams(max_tokens=4)])
@@ -215,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {workload} | {concurrency} | {system} | {r['itl_p50_ms']:.1f} | {speedup} | "
                      f"{r['tokens_per_second']:.1f} | {ratio} | {acceptance} | {fraction} | {differ} |")
     markdown = "\n".join([
-        f"Speculative decoding (engine level, SmolLM2-135M-Instruct {first.model_runner.dtype}, "
+        f"Speculative decoding (engine level, {target.name} {first.model_runner.dtype}, "
         f"k = {first.config.speculative.num_speculative_tokens}; draft: the target's first {DRAFT_LAYERS} layers; "
         f"medians of {args.repeat} run(s) per system)",
         "", *lines, ""])

@@ -8,7 +8,8 @@ The workload: chat prompts asking for JSON of the 45 schemas in tests/unit/struc
 how many tokens it wrote; then, per concurrency and repeat, the two modes alternate over the same
 prompts: ``json`` (constrained, ending where the grammar ends) and ``free`` (unconstrained,
 ``ignore_eos`` and ``max_tokens`` set to that very count), so both modes generate the same tokens
-per prompt and differ only in the masks. Closed loop: C clients, each on its own gRPC stream.
+per prompt and differ only in the masks. Closed loop: C clients, each on its own gRPC stream
+(client.bench's load generator).
 
 Reported per concurrency: output tokens/s and inter-token latency p50/p99 of each mode (medians over
 the repeats), the throughput ratio json/free, and the server's compile times from /metrics; plus
@@ -25,10 +26,11 @@ import sys
 import time
 import urllib.request
 
-import numpy as np
-
-from client.stream import StreamingClient
-from perf.served import add_server_arguments, generate_all, report_dir, served, write_report
+from client.bench.arrivals import ArrivalPattern
+from client.bench.runner import CompletedRequest, run_workload
+from client.bench.stats import compute_metrics, percentile
+from client.bench.workload import WorkItem
+from perf.served import add_server_arguments, report_dir, served, write_report
 from tests.unit.structured_output_schemas import SCHEMAS
 
 MAX_TOKENS = 192
@@ -39,20 +41,24 @@ def prompts() -> list[tuple[list[dict], dict]]:
                                           f"{json.dumps(schema)}"}], schema) for what, schema in SCHEMAS]
 
 
-def run_load(url: str, jobs: list[dict], concurrency: int, timeout: float) -> dict:
-    """Sends ``jobs`` (generate() keyword arguments) from ``concurrency`` closed-loop clients."""
-    started = time.monotonic()
-    done = generate_all(url, [(None, job) for job in jobs], concurrency, timeout)
-    elapsed = time.monotonic() - started
-    results = [r for r in done if not r.error]
-    errors = [r for r in done if r.error]
-    tokens = sum(len(r.token_ids) for r in results)
-    gaps = [b - a for r in results for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
-    return {"requests": len(results), "errors": [e.error for e in errors][:3], "num_errors": len(errors),
-            "output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
-            "itl_p50_ms": float(np.percentile(gaps, 50) * 1e3) if gaps else None,
-            "itl_p99_ms": float(np.percentile(gaps, 99) * 1e3) if gaps else None,
-            "finished_stop": sum(r.finish_reason == "stop" for r in results)}
+def chat_item(messages: list[dict], max_tokens: int, **inputs) -> WorkItem:
+    return WorkItem(None, 0, max_tokens, inputs={"messages": messages, **inputs})
+
+
+def send(url: str, items: list[WorkItem], concurrency: int, timeout: float) -> tuple[list[CompletedRequest], float]:
+    return run_workload(url, "llm", items, ArrivalPattern("concurrency", concurrency), timeout_s=timeout)
+
+
+def run_load(url: str, items: list[WorkItem], concurrency: int, timeout: float) -> dict:
+    """Sends ``items`` from ``concurrency`` closed-loop clients; throughput and pooled ITL."""
+    completed, elapsed = send(url, items, concurrency, timeout)
+    metrics = compute_metrics([c.record for c in completed], elapsed).to_dict()
+    errors = [c.record.error for c in completed if c.record.error]
+    return {"requests": metrics["num_completed"], "errors": errors[:3], "num_errors": len(errors),
+            "output_tokens": metrics["total_output_tokens"], "seconds": elapsed,
+            "tokens_per_s": metrics["output_token_throughput"],
+            "itl_p50_ms": metrics["itl_ms"].get("p50"), "itl_p99_ms": metrics["itl_ms"].get("p99"),
+            "finished_stop": sum(c.finish_reason == "stop" for c in completed if not c.record.error)}
 
 
 def server_compile_metrics(http_metrics_url: str) -> dict:
@@ -68,14 +74,15 @@ def server_compile_metrics(http_metrics_url: str) -> dict:
 
 
 def local_compile_times(tokenizer_dir: str) -> dict:
-    """First and cached compile of every schema, in this process (the same GrammarCompiler the engine uses)."""
-    from transformers import AutoTokenizer
+    """First and cached compile of every schema, in this process (the same GrammarCompiler the engine
+    uses, on the model's vocabulary: ``tokenizer_dir`` is the model's folder)."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from backend.structured_output.compiler import GrammarCompiler
     from backend.structured_output.spec import parse_structured_outputs
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id])
+    compiler = GrammarCompiler(tokenizer, AutoConfig.from_pretrained(tokenizer_dir).vocab_size, [tokenizer.eos_token_id])
     first, cached = [], []
     for _, schema in SCHEMAS:
         spec = parse_structured_outputs({"json": schema})
@@ -84,7 +91,7 @@ def local_compile_times(tokenizer_dir: str) -> dict:
             compiler.compile(spec).result()
             times.append(time.perf_counter() - start)
     compiler.close()
-    ms = lambda values, q: float(np.percentile(values, q) * 1e3)  # noqa: E731
+    ms = lambda values, q: percentile(values, q) * 1e3  # noqa: E731
     return {"first_p50_ms": ms(first, 50), "first_max_ms": ms(first, 100), "cached_p50_ms": ms(cached, 50),
             "cached_max_ms": ms(cached, 100), "schemas": len(first)}
 
@@ -112,18 +119,15 @@ def main(argv: list[str] | None = None) -> int:
                        else f"http://{args.url.rsplit(':', 1)[0]}:8002/metrics")
         # Calibration: each prompt constrained once, to learn its output length (and warm the caches).
         print(f"calibrating {len(chats)} prompts ...", flush=True)
-        lengths = []
-        with StreamingClient(server.grpc_url) as client:
-            for messages, schema in chats:
-                result = client.generate(None, messages=messages, max_tokens=MAX_TOKENS, timeout=args.timeout,
-                                         sampling_parameters={"structured_outputs": {"json": schema}})
-                lengths.append(max(1, len(result.token_ids)))
+        calibration, _ = send(server.grpc_url, [chat_item(messages, MAX_TOKENS, stream=False, sampling_parameters={
+            "structured_outputs": {"json": schema}}) for messages, schema in chats], 1, args.timeout)
+        lengths = [max(1, c.record.num_output_tokens) for c in calibration]
         report["server_compile_after_calibration"] = server_compile_metrics(metrics_url)
         order = [i % len(chats) for i in range(args.num_requests)]
         modes = {
-            "json": [dict(messages=chats[i][0], max_tokens=MAX_TOKENS, stream=True,
-                          sampling_parameters={"structured_outputs": {"json": chats[i][1]}}) for i in order],
-            "free": [dict(messages=chats[i][0], max_tokens=lengths[i], ignore_eos=True, stream=True) for i in order],
+            "json": [chat_item(chats[i][0], MAX_TOKENS, sampling_parameters={"structured_outputs": {"json": chats[i][1]}})
+                     for i in order],
+            "free": [chat_item(chats[i][0], lengths[i], ignore_eos=True) for i in order],
         }
         for concurrency in concurrencies:
             for repeat in range(args.repeat):

@@ -31,10 +31,6 @@ class ArrivalPattern:
             return f"rate={self.value:g}/s"
         return f"burst={int(self.value)}/{self.burst_interval_s:g}s"
 
-    @property
-    def closed_loop(self) -> bool:
-        return self.kind == "concurrency"
-
     def to_dict(self) -> dict:
         out = {"kind": self.kind, "value": self.value, "label": self.label}
         if self.kind == "burst":

@@ -30,9 +30,7 @@ from client.bench.runner import (
     run_workload,
 )
 from client.bench.stats import SloTargets, compute_metrics
-from client.bench.workload import SharedPrefix, WorkItem, build_workload
-
-RUN_SEED_STRIDE = 1_000_003  # run i uses seed + i * stride: distinct prompts per run
+from client.bench.workload import RUN_SEED_STRIDE, SharedPrefix, WorkItem, build_workload
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from backend.paths import REPO_ROOT
 
 DEFAULT_CORPUS = REPO_ROOT / "data" / "demo_corpus.txt"
-MAX_CORPUS_CHARS = 300_000  # plenty of distinct slices; keeps start-up under a second
+MAX_CORPUS_CHARS = 300_000  # plenty of distinct slices; keeps start-up short
 MAX_ATTEMPTS = 64
 
 

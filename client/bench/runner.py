@@ -8,6 +8,11 @@ late because every user is busy is timed from when it was actually sent (as vLLM
 
 Times come from ``time.monotonic()`` taken in tritonclient's callback thread as each response
 arrives (client.stream), so they include gRPC and Python overheads, as a user would see them.
+
+Every served benchmark sends its requests through ``run_workload``: forced-length items, or items
+carrying their own inputs (``WorkItem.inputs``: chat messages, structured-output constraints), on
+a stream per user, one stream shared by all, or (``headers``) a fresh stream per request opened
+with that request's gRPC metadata, as a proxy that routes by it needs.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from client.bench.arrivals import ArrivalPattern, send_offsets
@@ -34,6 +39,7 @@ class CompletedRequest:
     finish_reason: str
     expected_output_tokens: int
     expected_input_tokens: int
+    text: str = ""
 
 
 def count_length_mismatches(completed: Sequence[CompletedRequest]) -> int:
@@ -48,13 +54,14 @@ API_OPENAI = "openai"  # OpenAI-compatible /v1/completions over HTTP (client.ope
 
 class _User:
     """One simulated user: a lazily opened stream, reopened after a failure, or its requests on the
-    stream every user shares (``shared``)."""
+    stream every user shares (``shared``), or a stream per request opened with ``headers(item)``."""
 
     def __init__(self, url: str, model: str, timeout_s: float, api: str = API_TRITON,
-                 shared: SharedStream | None = None):
+                 shared: SharedStream | None = None, headers: Callable[[WorkItem], dict] | None = None):
         if api not in (API_TRITON, API_OPENAI):
             raise ValueError(f"api: expected {API_TRITON!r} or {API_OPENAI!r}, got {api!r}")
         self.url, self.model, self.timeout_s, self.api, self.shared = url, model, timeout_s, api, shared
+        self.headers = headers
         self.client: StreamingClient | OpenAIStreamingClient | None = None
 
     def close(self, cancel: bool = False) -> None:
@@ -75,26 +82,34 @@ class _User:
             progress.add_tokens(len(result.token_ids) - seen_tokens)
             seen_tokens = len(result.token_ids)
 
+        inputs = {"max_tokens": item.max_tokens, "stream": True,
+                  **({"ignore_eos": True} if item.inputs is None else item.inputs)}
         start = time.monotonic()
         if self.shared is not None:
             try:
-                result = self.shared.generate(item.prompt, self.timeout_s, on_response=on_response,
-                                              max_tokens=item.max_tokens, ignore_eos=True, stream=True)
+                result = self.shared.generate(item.prompt, self.timeout_s, on_response=on_response, **inputs)
             except Exception as exc:  # noqa: BLE001 (a timeout: a failed request, not a crash)
                 return self._failed(item, start, exc, progress)
             return self._completed(item, result, progress)
         try:
-            if self.client is None:
+            if self.headers is not None:
+                self.close()
+                self.client = StreamingClient(self.url, self.model, headers=self.headers(item))
+            elif self.client is None:
                 self.client = StreamingClient(self.url, self.model)
             start = time.monotonic()
-            rid = self.client.send(item.prompt, max_tokens=item.max_tokens, ignore_eos=True, stream=True)
+            rid = self.client.send(item.prompt, **inputs)
             result = self.client.collect([rid], {rid: start}, self.timeout_s, on_response=on_response)[rid]
         except Exception as exc:  # noqa: BLE001 (connection refused, timeouts: a failed request, not a crash)
             self.close(cancel=True)  # the stream may still hold the request: start afresh
             return self._failed(item, start, exc, progress)
+        if self.headers is not None:
+            self.close()
         return self._completed(item, result, progress)
 
     def _run_openai(self, item: WorkItem, progress: Progress) -> CompletedRequest:
+        if item.inputs is not None:
+            raise ValueError("--api openai sends forced-length prompts only (WorkItem.inputs is Triton's)")
         start = time.monotonic()
         try:
             if self.client is None:
@@ -127,7 +142,8 @@ class _User:
             error=error,
         )
         progress.finish(failed=error is not None)
-        return CompletedRequest(record, result.finish_reason, item.max_tokens, item.num_input_tokens)
+        return CompletedRequest(record, result.finish_reason, item.max_tokens, item.num_input_tokens,
+                                result.text)
 
 
 def run_workload(
@@ -141,21 +157,23 @@ def run_workload(
     progress: Progress | None = None,
     api: str = API_TRITON,
     shared_stream: bool = False,
+    headers: Callable[[WorkItem], dict] | None = None,
 ) -> tuple[list[CompletedRequest], float]:
     """Runs every item under ``pattern`` against ``api`` at ``url``; returns results in item order and
     the wall duration (s). ``shared_stream`` (Triton only): every user's requests on one gRPC stream
     (client.stream.SharedStream) instead of a stream per user: the same requests, a fraction of the
-    client's CPU, which shares the machine with the server here."""
+    client's CPU, which shares the machine with the server here. ``headers`` (Triton only): each
+    request on a fresh stream opened with ``headers(item)`` as its gRPC metadata."""
     progress = progress or Progress(pattern.label, len(items), interval_s=0)
     results: list[CompletedRequest | None] = [None] * len(items)
     offsets = send_offsets(pattern, len(items), seed)
     num_users = int(pattern.value) if offsets is None else max_concurrency
     num_users = max(1, min(num_users, len(items)))
     work: queue.SimpleQueue = queue.SimpleQueue()
-    shared = SharedStream(url, model) if shared_stream and api == API_TRITON else None
+    shared = SharedStream(url, model) if shared_stream and api == API_TRITON and headers is None else None
 
     def serve_user() -> None:
-        user = _User(url, model, timeout_s, api, shared)
+        user = _User(url, model, timeout_s, api, shared, headers)
         try:
             while True:
                 index = work.get()

@@ -5,6 +5,9 @@ workloads make ``num_prefixes`` system prompts of ``prefix_len`` tokens; each re
 (seeded choice) followed by a unique suffix whose length comes from the input distribution, so the
 request's input is prefix_len + suffix tokens. Output lengths are forced by the client (max_tokens
 with ignore_eos). Lengths are clipped so prompt + output fits ``max_model_len``.
+
+The same workload runs an engine in-process as token ids (``token_requests``): every benchmark,
+served or not, draws its prompts here, from the model's own tokenizer.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import numpy as np
 from client.bench.lengths import LengthDistribution
 from client.bench.prompts import PromptBuilder
 
+RUN_SEED_STRIDE = 1_000_003  # run i of a sweep uses seed + i * stride: distinct prompts per run
+
 
 @dataclass(frozen=True, slots=True)
 class WorkItem:
@@ -23,6 +28,9 @@ class WorkItem:
     num_input_tokens: int  # as the server counts them (special tokens included)
     max_tokens: int  # forced output length (sent with ignore_eos=true)
     prefix_index: int | None = None  # which shared system prompt, if any
+    # Other `llm` inputs (client.stream.build_inputs names: messages, sampling_parameters...) sent
+    # instead of ignore_eos=true; then the output ends where the model or its constraint ends it.
+    inputs: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +74,15 @@ def build_workload(
             output_len = max(1, min(output_len, max_model_len - num_input))
         items.append(WorkItem(prompt, num_input, int(output_len), prefix_index))
     return items
+
+
+def token_requests(builder: PromptBuilder, items: list[WorkItem]) -> list[tuple[list[int], int]]:
+    """``items`` as an engine in-process takes them: (prompt token ids, as the server counts them,
+    forced output tokens) each."""
+    requests = []
+    for item in items:
+        ids = builder.tokenizer.encode(item.prompt, add_special_tokens=True).ids
+        if len(ids) != item.num_input_tokens:
+            raise ValueError(f"a prompt of {item.num_input_tokens} tokens encodes to {len(ids)}")
+        requests.append((ids, item.max_tokens))
+    return requests

@@ -9,6 +9,9 @@ Systems (same prompts, same forced output lengths, greedy, same dtype):
   core in its own process, the default; the engine-core IPC cost per step comes from the
   server's ``llm_engine_core_ipc_seconds`` histogram);
 * ``triton-thread``: the same with ``engine_process: false`` (the engine on a thread of the stub);
+* ``triton-iterative``: the ``llm_iterative`` model (Triton's sequence batcher drives the engine,
+  strategy ``oldest`` as shipped), and ``triton-iterative-direct`` the same with the ``direct``
+  strategy; not in the default set (run them with ``--systems``);
 * ``engine``: our engine in-process (perf.compare.engine_in_process), no server;
 * ``engine-torch-attention``: the same with ``attention_backend: torch`` (decode attention by
   gather + SDPA instead of the CPU kernels), and ``engine-no-fused-ops`` with
@@ -19,11 +22,14 @@ Systems (same prompts, same forced output lengths, greedy, same dtype):
   (perf.compare.vllm_server) and compared against the better one;
 * ``hf-continuous``: transformers' own continuous batching (perf.compare.transformers_continuous);
 * ``hf-static``: transformers ``generate()`` in arrival-order batches padded and run to their
-  longest member (request-level static batching).
+  longest member (request-level static batching; perf.compare.transformers_static).
 
 The serving systems and our engine see the requests under ``--concurrency`` (closed loop, default:
 all requests at once) or ``--request-rate``; the two transformers systems are offline and always
-get every request at t=0. Throughput counts the tokens each system reports having generated.
+get every request at t=0. A list (``--concurrency 1,8,32``) is a sweep: each serving system runs
+every point on one server, each point with its own prompts (seed + i x client.bench's stride, so no
+point hits the prefix cache another filled; the first point's are the single run's), and the
+table has a row per system and point, its ratios against ours at the same point. Throughput counts the tokens each system reports having generated.
 Results: a markdown table (stdout and ``compare.md``), ``compare.json`` with every number, the
 configs, commit and machine, and ``compare.png``.
 """
@@ -33,72 +39,98 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 from backend.paths import REPO_ROOT
-from client.bench.arrivals import ArrivalPattern
+from client.bench.arrivals import ArrivalPattern, parse_sweep
 from client.bench.lengths import parse_length
 from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.progress import Progress
 from client.bench.prompts import PromptBuilder
 from client.bench.runner import API_OPENAI, API_TRITON, count_length_mismatches, run_workload
 from client.bench.stats import compute_metrics
-from client.bench.workload import build_workload
+from client.bench.workload import RUN_SEED_STRIDE, build_workload, token_requests
 from perf.compare.cpu_meter import CpuMeter
 from perf.compare.report import SystemResult, markdown_report, medians_report, write_plot
 
-ALL_SYSTEMS = ("triton", "triton-thread", "engine", "engine-no-fused-ops", "engine-torch-attention", "vllm",
-               "hf-continuous", "hf-static")
+DEFAULT_SYSTEMS = ("triton", "triton-thread", "engine", "engine-no-fused-ops", "engine-torch-attention", "vllm",
+                   "hf-continuous", "hf-static")
+ALL_SYSTEMS = (*DEFAULT_SYSTEMS, "triton-iterative", "triton-iterative-direct")
 
 
 TRITON_THREAD_NAME = "In-thread engine, Triton llm (engine_process false)"
+DIRECT_BATCHING = """sequence_batching {
+  iterative_sequence: true
+  max_sequence_idle_microseconds: 600000000
+  direct {
+    max_queue_delay_microseconds: 0
+  }
+}"""
 
 
-def run_triton(args, items, warmup, pattern, in_thread: bool):
-    """Our `llm` model in tritonserver: (completed, duration, CpuMeter, engine-core IPC summary or None)."""
-    from backend.server.launcher import start_server
+def direct_strategy(config: str) -> str:
+    """llm_iterative's config.pbtxt with the sequence batcher's ``direct`` strategy instead of ``oldest``."""
+    text, count = re.subn(r"sequence_batching \{.*?\n\}", DIRECT_BATCHING, config, count=1, flags=re.S)
+    if count != 1:
+        raise ValueError("config.pbtxt has no sequence_batching block")
+    return text
+
+
+# system -> (served model, extra config.pbtxt overrides, config edit, result name)
+TRITON_SYSTEMS = {
+    "triton": ("llm", {}, None, "Triton llm (gRPC streaming)"),
+    "triton-thread": ("llm", {"engine_process": "false"}, None, TRITON_THREAD_NAME),
+    "triton-iterative": ("llm_iterative", {}, None, "llm_iterative in Triton (sequence batcher, oldest)"),
+    "triton-iterative-direct": ("llm_iterative", {}, direct_strategy,
+                                "llm_iterative in Triton (sequence batcher, direct)"),
+}
+
+
+def run_triton(args, system: str, runs, warmup, load_before: float) -> list:
+    """One of our models in tritonserver, every (pattern, items) of ``runs`` on the same server:
+    per run (completed, duration, CpuMeter, engine-core IPC summary or None, load average at its
+    start; the first run's is ``load_before``, taken before the server started)."""
     from perf.compare.histogram import histogram_median, scrape_histogram
-    from perf.compare.repository import repository_with_overrides
+    from perf.served import tritonserver
 
+    model, extra, edit, _ = TRITON_SYSTEMS[system]
     # The server must load the same engine settings as the in-process run: always the dtype, since
     # config.pbtxt's `auto` is bfloat16 on CPU (before this, --dtype float32 served bfloat16).
-    overrides = {"dtype": args.dtype}
-    if in_thread:
-        overrides["engine_process"] = "false"
-    repository = repository_with_overrides(Path(args.model_repository), args.model, overrides,
-                                           REPO_ROOT / "build" / "compare_repository")
-    server = start_server(repository, ready_timeout=300)
-    try:
-        run_workload(server.grpc_url, args.model, warmup, ArrivalPattern("concurrency", 1))
-        before = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
-        cpu = CpuMeter(server.process.pid)
-        label = ("triton-thread " if in_thread else "triton ") + pattern.label
-        with Progress(label, len(items), args.progress_interval) as progress:
-            completed, duration = run_workload(server.grpc_url, args.model, items, pattern, seed=args.seed,
-                                               progress=progress, api=API_TRITON,
-                                               shared_stream=args.triton_client == "shared-stream")
-        cpu.stop()
-        after = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
-    finally:
-        server.stop()
-    ipc = histogram_median(before, after)
-    return completed, duration, cpu, ipc
+    overrides = {"dtype": args.dtype, **extra}
+    measured = []
+    with tritonserver(Path(args.model_repository), overrides, model, edit=edit) as server:
+        run_workload(server.grpc_url, model, warmup, ArrivalPattern("concurrency", 1))
+        for index, (pattern, items) in enumerate(runs):
+            load = load_before if index == 0 else os.getloadavg()[0]
+            before = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
+            cpu = CpuMeter(server.process.pid)
+            with Progress(f"{system} {pattern.label}", len(items), args.progress_interval) as progress:
+                completed, duration = run_workload(server.grpc_url, model, items, pattern, seed=args.seed,
+                                                   progress=progress, api=API_TRITON,
+                                                   shared_stream=args.triton_client == "shared-stream")
+            cpu.stop()
+            after = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
+            measured.append((completed, duration, cpu, histogram_median(before, after), load))
+    return measured
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m perf.compare", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated (default: %(default)s)")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma-separated, of {', '.join(ALL_SYSTEMS)} (default: %(default)s)")
     parser.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
     parser.add_argument("--model", default="llm", help="the Triton model, and the engine's config.pbtxt folder")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--input-len", default="uniform:32:256", help="client.bench length spec (default: %(default)s)")
     parser.add_argument("--output-len", default="uniform:32:128", help="client.bench length spec (default: %(default)s)")
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, default=None, help="closed-loop users (default: all requests at once)")
-    load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s")
+    load.add_argument("--concurrency", default=None,
+                      help="closed-loop users, a list sweeps (e.g. 1,8,32; default: all requests at once)")
+    load.add_argument("--request-rate", default=None, help="Poisson arrivals, requests/s; a list sweeps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="every system's weights and activations (default: %(default)s)")
@@ -113,8 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--progress-interval", type=float, default=10.0)
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the systems this many times, alternating, and add a table of medians "
-                             "(this machine is shared and noisy: one run can be 10%% off)")
+                             "(a shared machine's noise moves single runs)")
     return parser
+
+
+def arrival_patterns(args) -> list[ArrivalPattern]:
+    if args.request_rate:
+        return parse_sweep(args.request_rate, "rate")
+    return parse_sweep(args.concurrency or str(args.num_requests), "concurrency")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: --systems: unknown {unknown}; choose from {', '.join(ALL_SYSTEMS)}", file=sys.stderr)
         return 2
+    try:
+        patterns = arrival_patterns(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from backend.config import engine_config_from_model_folder
 
     model_folder = str(Path(args.model_repository) / args.model)
@@ -131,35 +174,42 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = engine_config.model.model_dir
     max_model_len = engine_config.model.max_model_len
     builder = PromptBuilder(engine_config.model.tokenizer_dir or model_dir)
-    items = build_workload(builder, args.num_requests, parse_length(args.input_len), parse_length(args.output_len),
-                           args.seed, max_model_len=max_model_len)
-    token_requests = [(builder.tokenizer.encode(item.prompt, add_special_tokens=True).ids, item.max_tokens)
-                      for item in items]
-    assert all(len(ids) == item.num_input_tokens for (ids, _), item in zip(token_requests, items, strict=True))
+    # One workload per arrival pattern (the first one's is the single run's): (pattern, items).
+    runs = [(pattern, build_workload(builder, args.num_requests, parse_length(args.input_len),
+                                     parse_length(args.output_len), args.seed + index * RUN_SEED_STRIDE,
+                                     max_model_len=max_model_len))
+            for index, pattern in enumerate(patterns)]
+    pattern, items = runs[0]
+    token_runs = [(run_pattern, token_requests(builder, run_items)) for run_pattern, run_items in runs]
+    offline_requests = token_runs[0][1]
     warmup = build_workload(builder, 1, parse_length("16"), parse_length("4"), args.seed + 99)
-    if args.request_rate:
-        pattern = ArrivalPattern("rate", args.request_rate)
-    else:
-        pattern = ArrivalPattern("concurrency", args.concurrency or args.num_requests)
     offline = ArrivalPattern("concurrency", args.num_requests)
     print(f"workload: {len(items)} requests, {sum(i.num_input_tokens for i in items)} prompt tokens, "
-          f"{sum(i.max_tokens for i in items)} output tokens, {pattern.label}; dtype {args.dtype}", flush=True)
+          f"{sum(i.max_tokens for i in items)} output tokens, {', '.join(p.label for p in patterns)}; "
+          f"dtype {args.dtype}", flush=True)
 
     results: list[SystemResult] = []
     extra: dict[str, dict] = {}
 
     current_run = [0]  # which of the --repeat runs is going on
 
+    def key(system: str, at: ArrivalPattern, with_run: bool) -> str:
+        """``system`` as a key of the document's systems, naming the point of a sweep (and the run)."""
+        name = system if len(patterns) == 1 else f"{system} {at.label}"
+        return f"{name} [run {current_run[0] + 1}]" if with_run and args.repeat > 1 else name
+
     def note(result: SystemResult) -> None:
         if args.repeat > 1:
             result.name = f"{result.name} [run {current_run[0] + 1}]"
         results.append(result)
-        print(f"  {result.name}: {result.output_tokens} tokens in {result.duration_s:.1f} s = "
+        at = "" if len(patterns) == 1 else f" ({result.arrival})"
+        print(f"  {result.name}{at}: {result.output_tokens} tokens in {result.duration_s:.1f} s = "
               f"{result.output_token_throughput:.1f} out tok/s", flush=True)
 
-    def served_result(name: str, completed, duration: float, load_before: float, cpu: CpuMeter) -> SystemResult:
+    def served_result(name: str, at: ArrivalPattern, completed, duration: float, load_before: float,
+                      cpu: CpuMeter) -> SystemResult:
         records = [c.record for c in completed]
-        result = SystemResult.from_metrics(name, compute_metrics(records, duration), pattern.label,
+        result = SystemResult.from_metrics(name, compute_metrics(records, duration), at.label,
                                            mismatched=count_length_mismatches(completed),
                                            load=(load_before, os.getloadavg()[0]))
         result.server_cpu_s, result.client_cpu_s = cpu.server_seconds(), cpu.client_seconds()
@@ -169,15 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         current_run[0] = run
         load_before = os.getloadavg()[0]
         print(f"\n== {system} ==", flush=True)
-        if system in ("triton", "triton-thread"):
-            in_thread = system == "triton-thread"
-            completed, duration, cpu, ipc = run_triton(args, items, warmup, pattern, in_thread)
-            if ipc is not None:
-                key = system if args.repeat == 1 else f"{system} [run {run + 1}]"
-                extra.setdefault("engine_core_ipc", {})[key] = ipc
-                print(f"  engine-core IPC per step: median {ipc['median_us']:.0f} us over {ipc['count']} steps")
-            name = TRITON_THREAD_NAME if in_thread else "Triton llm (gRPC streaming)"
-            note(served_result(name, completed, duration, load_before, cpu))
+        if system in TRITON_SYSTEMS:
+            measured = run_triton(args, system, runs, warmup, load_before)
+            for (at, _), (completed, duration, cpu, ipc, started_load) in zip(runs, measured, strict=True):
+                if ipc is not None:
+                    extra.setdefault("engine_core_ipc", {})[key(system, at, True)] = ipc
+                    print(f"  engine-core IPC per step: median {ipc['median_us']:.0f} us over {ipc['count']} steps")
+                note(served_result(TRITON_SYSTEMS[system][3], at, completed, duration, started_load, cpu))
         elif system in ("engine", "engine-no-fused-ops", "engine-torch-attention"):
             from perf.compare.engine_in_process import run_engine_in_process
 
@@ -189,15 +237,17 @@ def main(argv: list[str] | None = None) -> int:
             if system == "engine-no-fused-ops":  # the attention kernels, torch for the layers' small ops
                 overrides["cpu_fused_ops"] = "false"
                 name += ", no fused ops"
-            records, duration, summary = run_engine_in_process(model_folder, token_requests, pattern,
-                                                               overrides, args.seed, args.progress_interval)
-            extra[system] = summary
-            result = SystemResult.from_metrics(name, compute_metrics(records, duration),
-                                               pattern.label, load=(load_before, os.getloadavg()[0]))
-            result.server_cpu_s = summary["cpu_s"]
-            note(result)
+            for at, requests in token_runs:
+                records, duration, summary = run_engine_in_process(model_folder, requests, at, overrides, args.seed,
+                                                                   args.progress_interval)
+                extra[key(system, at, False)] = summary
+                result = SystemResult.from_metrics(name, compute_metrics(records, duration),
+                                                   at.label, load=(load_before, os.getloadavg()[0]))
+                result.server_cpu_s = summary["cpu_s"]
+                note(result)
+                load_before = os.getloadavg()[0]
         elif system == "vllm":
-            from perf.compare.vllm_server import start_vllm, vllm_version
+            from perf.compare.vllm_server import SERVED_MODEL_NAME, start_vllm, vllm_version
 
             extra["vllm"] = {"versions": vllm_version(), "setups": {}}
             for setup in [s.strip() for s in args.vllm_setups.split(",") if s.strip()]:
@@ -205,30 +255,34 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"starting vLLM ({setup})...", flush=True)
                 server = start_vllm(model_dir, setup, args.dtype, max_model_len, engine_config.scheduler.max_num_seqs,
                                     args.vllm_kv_cache_gib, log_dir=args.out_dir)
+                measured = []
                 try:
-                    from perf.compare.vllm_server import SERVED_MODEL_NAME
-
                     run_workload(server.url, SERVED_MODEL_NAME, warmup, ArrivalPattern("concurrency", 1), api=API_OPENAI)
-                    cpu = CpuMeter(server.process.pid)
-                    with Progress(f"vllm-{setup} " + pattern.label, len(items), args.progress_interval) as progress:
-                        completed, duration = run_workload(server.url, SERVED_MODEL_NAME, items, pattern,
-                                                           seed=args.seed, progress=progress, api=API_OPENAI)
-                    cpu.stop()
+                    for at, run_items in runs:
+                        cpu = CpuMeter(server.process.pid)
+                        with Progress(f"vllm-{setup} " + at.label, len(run_items), args.progress_interval) as progress:
+                            completed, duration = run_workload(server.url, SERVED_MODEL_NAME, run_items, at,
+                                                               seed=args.seed, progress=progress, api=API_OPENAI)
+                        cpu.stop()
+                        measured.append((at, completed, duration, load_before, cpu))
+                        load_before = os.getloadavg()[0]
                 finally:
                     server.stop()
                 extra["vllm"]["setups"][setup] = {"env": server.env, "log": str(server.log_path)}
-                note(served_result(f"vLLM CPU, {setup} (OpenAI streaming)", completed, duration, load_before, cpu))
+                for at, completed, duration, started_load, cpu in measured:
+                    note(served_result(f"vLLM CPU, {setup} (OpenAI streaming)", at, completed, duration, started_load,
+                                       cpu))
         elif system == "hf-continuous":
             from perf.compare.transformers_continuous import run_transformers_continuous
 
-            done = run_transformers_continuous(model_dir, token_requests, progress_interval_s=args.progress_interval)
+            done = run_transformers_continuous(model_dir, offline_requests, progress_interval_s=args.progress_interval)
             extra["hf-continuous"] = done.get("config", {})
             note(SystemResult.offline("transformers continuous batching (ContinuousBatchingManager)", done,
                                       offline.label, load=(load_before, os.getloadavg()[0])))
         elif system == "hf-static":
-            from perf.bench_engine import run_static
+            from perf.compare.transformers_static import run_static
 
-            done = run_static(model_dir, token_requests, args.static_batch_size, dtype=args.dtype)
+            done = run_static(model_dir, offline_requests, args.static_batch_size, dtype=args.dtype)
             note(SystemResult.offline(f"transformers static batching (batch {args.static_batch_size})", done,
                                       offline.label, load=(load_before, os.getloadavg()[0])))
 
@@ -236,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool": "perf.compare", "created": now_iso(), "git": git_state(), "machine": machine_info(),
         "workload": {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
                      "arrival": pattern.to_dict(), "seed": args.seed, "dtype": args.dtype,
+                     **({"arrivals": [p.to_dict() for p in patterns]} if len(patterns) > 1 else {}),
                      "triton_client": args.triton_client,
                      "prompt_tokens": sum(i.num_input_tokens for i in items),
                      "output_tokens": sum(i.max_tokens for i in items)},

@@ -76,8 +76,10 @@ class SystemResult:
                 "tokens_per_cpu_second": self.tokens_per_cpu_second}
 
 
-def _find(results: list[SystemResult], prefix: str) -> SystemResult | None:
-    return next((r for r in results if r.name.startswith(prefix)), None)
+def _find(results: list[SystemResult], prefix: str, arrival: str | None = None) -> SystemResult | None:
+    """The first result named ``prefix``..., at ``arrival`` when there is one there."""
+    named = [r for r in results if r.name.startswith(prefix)]
+    return next((r for r in named if r.arrival == arrival), named[0] if named else None)
 
 
 def _ms(value: float | None) -> str:
@@ -93,11 +95,12 @@ def _ratio(ours: SystemResult | None, theirs: SystemResult) -> str:
 def markdown_report(document: dict, results: list[SystemResult]) -> str:
     """The table (one row per system, ratios against ours) and the headline ratios."""
     workload = document["workload"]
-    triton, engine = _find(results, TRITON_NAME_PREFIX), _find(results, ENGINE_NAME_PREFIX)
+    sweep = [arrival["label"] for arrival in workload.get("arrivals", [])]
+    arrivals = f"{', '.join(sweep)} (each point its own prompts)" if sweep else workload["arrival"]["label"]
     lines = [
         f"Workload: {workload['num_requests']} requests, input {workload['input_len']} "
         f"({workload['prompt_tokens']} tokens), output {workload['output_len']} ({workload['output_tokens']} tokens, "
-        f"forced), {workload['arrival']['label']}, {workload['dtype']}, seed {workload['seed']}. "
+        f"forced), {arrivals}, {workload['dtype']}, seed {workload['seed']}. "
         f"Commit {str(document['git'].get('commit'))[:10]}{' (dirty)' if document['git'].get('dirty') else ''}, "
         f"{document['machine'].get('cpu_count', '?')} CPUs. Latencies in ms.",
         f"Runtime: {_runtime_text(document)}.",
@@ -115,8 +118,32 @@ def markdown_report(document: dict, results: list[SystemResult]) -> str:
         lines.append(
             f"| {r.name} | {r.arrival} | {r.output_token_throughput:.1f} | {_ms(r.ttft_p50_ms)} | {_ms(r.ttft_p99_ms)} "
             f"| {_ms(r.itl_p50_ms)} | {_ms(r.itl_p99_ms)} | {_ms(r.tpot_p50_ms)} | {_ms(r.e2e_p50_ms)} | {r.num_errors} "
-            f"| {r.mismatched_lengths} | {cpu} | {per_cpu} | {load} | {_ratio(triton, r)} | {_ratio(engine, r)} |")
+            f"| {r.mismatched_lengths} | {cpu} | {per_cpu} | {load} "
+            f"| {_ratio(_find(results, TRITON_NAME_PREFIX, r.arrival), r)} "
+            f"| {_ratio(_find(results, ENGINE_NAME_PREFIX, r.arrival), r)} |")
     lines.append("")
+    headline = []
+    if not sweep:
+        headline += _ratio_lines(results)
+    for label in sweep:  # each point against ours at that point (the offline systems have one row)
+        at = [r for r in results if r.arrival == label or r.name.startswith("transformers")]
+        headline += [f"- at {label}: {line.removeprefix('- ')}" for line in _ratio_lines(at)]
+    for r in results:
+        if r.server_cpu_s is not None and r.output_tokens:
+            total = r.server_cpu_s + (r.client_cpu_s or 0.0)
+            at = f" ({r.arrival})" if sweep else ""
+            headline.append(f"- CPU ms per output token, {r.name}{at}: {1000 * total / r.output_tokens:.2f} "
+                            f"(server {1000 * r.server_cpu_s / r.output_tokens:.2f})")
+    ipc = document.get("systems", {}).get("engine_core_ipc", {})
+    for system, summary in ipc.items():
+        headline.append(f"- engine-core IPC per step ({system}): median {summary['median_us']:.0f} us "
+                        f"over {summary['count']} steps")
+    return "\n".join(lines + headline) + "\n"
+
+
+def _ratio_lines(results: list[SystemResult]) -> list[str]:
+    """The headline ratios (with the issues' targets) among ``results``."""
+    triton, engine = _find(results, TRITON_NAME_PREFIX), _find(results, ENGINE_NAME_PREFIX)
     vllm = [r for r in results if r.name.startswith("vLLM")]
     best_vllm = max(vllm, key=lambda r: r.output_token_throughput, default=None)
     static = _find(results, "transformers static")
@@ -138,16 +165,7 @@ def markdown_report(document: dict, results: list[SystemResult]) -> str:
         headline.append(f"- {served.name} / engine in-process: {_ratio(served, engine)} output tok/s, TTFT p50 "
                         f"{_relative(served.ttft_p50_ms, engine.ttft_p50_ms)}, ITL p50 "
                         f"{_relative(served.itl_p50_ms, engine.itl_p50_ms)} (targets: within 10%)")
-    for r in results:
-        if r.server_cpu_s is not None and r.output_tokens:
-            total = r.server_cpu_s + (r.client_cpu_s or 0.0)
-            headline.append(f"- CPU ms per output token, {r.name}: {1000 * total / r.output_tokens:.2f} "
-                            f"(server {1000 * r.server_cpu_s / r.output_tokens:.2f})")
-    ipc = document.get("systems", {}).get("engine_core_ipc", {})
-    for system, summary in ipc.items():
-        headline.append(f"- engine-core IPC per step ({system}): median {summary['median_us']:.0f} us "
-                        f"over {summary['count']} steps")
-    return "\n".join(lines + headline) + "\n"
+    return headline
 
 
 def _relative(value: float | None, reference: float | None) -> str:
@@ -189,26 +207,33 @@ def write_plot(results: list[SystemResult], path: str | Path) -> str:
 
 
 def medians_report(results: list[SystemResult]) -> str:
-    """Per system (runs named ``... [run k]``), the median of its runs and the ratios of medians."""
+    """Per system (runs named ``... [run k]``) and arrival, the median of its runs and the ratios of
+    medians against our engine's at the same arrival."""
     import statistics  # noqa: PLC0415
 
-    by_system: dict[str, list[SystemResult]] = {}
+    sweep = len({r.arrival for r in results if not r.name.startswith("transformers")}) > 1
+    by_system: dict[tuple[str, str], list[SystemResult]] = {}
     for r in results:
-        by_system.setdefault(r.name.rsplit(" [run ", 1)[0], []).append(r)
+        by_system.setdefault((r.name.rsplit(" [run ", 1)[0], r.arrival), []).append(r)
 
     def median(values):
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
-    rows = {name: (median([r.output_token_throughput for r in runs]), median([r.ttft_p50_ms for r in runs]),
-                   median([r.itl_p50_ms for r in runs]), len(runs)) for name, runs in by_system.items()}
-    engine = next((row for name, row in rows.items() if name.startswith(ENGINE_NAME_PREFIX)), None)
+    rows = {group: (median([r.output_token_throughput for r in runs]), median([r.ttft_p50_ms for r in runs]),
+                    median([r.itl_p50_ms for r in runs]), len(runs)) for group, runs in by_system.items()}
+    engines: dict[str, tuple] = {}  # arrival -> the first engine row there
+    for (name, arrival), row in rows.items():
+        if name.startswith(ENGINE_NAME_PREFIX):
+            engines.setdefault(arrival, row)
     lines = ["Medians over the runs (alternating systems):", "",
              "| system | runs | output tok/s | TTFT p50 | ITL p50 | tok/s / engine | TTFT p50 vs engine | ITL p50 vs engine |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, (tps, ttft, itl, count) in rows.items():
+    for (name, arrival), (tps, ttft, itl, count) in rows.items():
+        engine = engines.get(arrival, next(iter(engines.values()), None))
         ratio = f"{tps / engine[0]:.2f}x" if engine and engine[0] else "-"
-        lines.append(f"| {name} | {count} | {tps:.1f} | {_ms(ttft)} | {_ms(itl)} | {ratio} "
+        label = f"{name} ({arrival})" if sweep else name
+        lines.append(f"| {label} | {count} | {tps:.1f} | {_ms(ttft)} | {_ms(itl)} | {ratio} "
                      f"| {_relative(ttft, engine[1]) if engine else '-'} | {_relative(itl, engine[2]) if engine else '-'} |")
     return "\n".join(lines) + "\n"
 

@@ -43,11 +43,10 @@ max_batch_tokens] fp32, would then be tens of GiB on a 24 GiB machine):
 * prefix/block sharing off (the random-prompt workload shares nothing beyond BOS, so hashing blocks is pure
   overhead); no CUDA graphs, no async double buffering, no compile, no decode fast path (flash only).
 
-Cost note (measured, 2 CPU threads): with sdpa the packed batch is one "sequence", so each step gathers every
-scheduled request's K/V, repeats it to all query heads (GQA, a copy) and runs SDPA of all query tokens against all
-of it, masked block-diagonally: attention work grows with (batch tokens x total KV read), not per request. With 32
-requests decoding at ~165 KV tokens each, a step took ~190 ms, about a third each in SDPA, the K/V copies and the
-matmuls, where a padded 32 x 1 decode with a DynamicCache took ~100 ms.
+Cost note: with sdpa the packed batch is one "sequence", so each step gathers every scheduled request's K/V,
+repeats it to all query heads (GQA, a copy) and runs SDPA of all query tokens against all of it, masked
+block-diagonally: attention work grows with (batch tokens x total KV read), not per request (perf/RESULTS.md has
+what a step cost against a padded decode).
 
 Environment notes: without ``psutil`` transformers logs "Cannot get memory breakdown on CPU" and falls back to the
 NUMA node's memory; harmless here since num_blocks and max_batch_tokens are given. The torch thread count is left as
@@ -60,7 +59,6 @@ the same intra-op thread pool.
 from __future__ import annotations
 
 import math
-import random
 import sys
 import time
 from pathlib import Path
@@ -286,21 +284,19 @@ def check_greedy_parity(model_dir: str, requests: list[tuple[list[int], int]]) -
     return matches
 
 
-def _demo_requests(folder: str, num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int):
-    from transformers import AutoConfig
+def _demo_requests(folder: str, num: int, input_len: str, output_len: str, seed: int):
+    from client.bench.prompts import PromptBuilder
+    from perf.engine_driver import token_workload
 
-    from perf.workload import random_workload
-
-    vocab_size = AutoConfig.from_pretrained(folder).vocab_size
-    return random_workload(random.Random(seed), num, vocab_size, prompt_range, output_range)
+    return token_workload(PromptBuilder(folder), num, input_len, output_len, seed)
 
 
 if __name__ == "__main__":
     folder = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[2] / "models" / "demo-llama")
-    demo = run_transformers_continuous(folder, _demo_requests(folder, 4, (20, 60), (8, 16), seed=0),
+    demo = run_transformers_continuous(folder, _demo_requests(folder, 4, "uniform:20:60", "uniform:8:16", seed=0),
                                        progress_interval_s=0.5)
     print({k: v for k, v in demo.items() if k != "per_request"})
     for row in demo["per_request"]:
         print(f"  ttft {row['ttft_s'] * 1000:.0f} ms, e2e {row['e2e_s'] * 1000:.0f} ms, "
               f"{row['num_output_tokens']} tokens")
-    print("greedy parity with generate():", check_greedy_parity(folder, _demo_requests(folder, 2, (20, 60), (8, 16), seed=1)))
+    print("greedy parity with generate():", check_greedy_parity(folder, _demo_requests(folder, 2, "uniform:20:60", "uniform:8:16", seed=1)))

@@ -5,9 +5,8 @@ shuffled by a seeded generator, so ``ITEMS`` is the same on every machine.
 
 Scored greedy through the server as a plain completion after four worked examples (``FEW_SHOT``,
 none of them an item), with the choices as a structured-output ``choice`` constraint, so every
-answer is exactly one of the four and scoring is an exact comparison. Measured on SmolLM2-135M
-(float32): this format 51% correct; the question as a chat message with the choices listed 27%
-(61 of 104 answers were the first listed choice), the chat question alone 32%.
+answer is exactly one of the four and scoring is an exact comparison. The format was chosen by
+measurement against the chat formats (perf/RESULTS.md, "Quality evaluation").
 """
 
 from __future__ import annotations
