@@ -40,15 +40,6 @@ class ModuleSpec:
         """
         return _inline(KERNEL_DIR / self.source, set())
 
-    def defines(self) -> dict[str, str]:
-        """The -D options as a dict (for the CPU emulation build)."""
-        out = {}
-        for opt in self.options:
-            if opt.startswith("-D"):
-                name, _, value = opt[2:].partition("=")
-                out[name] = value
-        return out
-
 
 def _inline(path: Path, seen: set[str]) -> str:
     out = []

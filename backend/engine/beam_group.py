@@ -12,10 +12,14 @@ streamed: the best ``n`` hypotheses go out when the search ends.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from backend.engine.beam_search import BeamSearch
+
+if TYPE_CHECKING:
+    from backend.engine.request import Request, SamplingParams
 
 
 def beam_request_id(request_id: str, number: int) -> str:
@@ -27,13 +31,13 @@ class BeamGroup:
     request_id: str  # the client's
     search: BeamSearch
     n: int  # hypotheses returned
-    beams: list = field(default_factory=list)  # backend.engine.request.Request per running beam (None: not forked yet)
+    beams: list[Request | None] = field(default_factory=list)  # per running beam (None: not forked yet)
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # running beam index -> [vocab] log-probs
     num_created: int = 1  # requests made for beams so far (for their ids)
     finished: bool = False
 
     @classmethod
-    def start(cls, request, params) -> BeamGroup:
+    def start(cls, request: Request, params: SamplingParams) -> BeamGroup:
         """The group of a new beam-search request: ``request`` is beam 0, the others fork from it
         at its first token."""
         eos = () if params.ignore_eos or request.eos_token_id is None else (request.eos_token_id,)
@@ -49,7 +53,7 @@ class BeamGroup:
         """Rows the next step waits for: beam 0 alone at first (the others are its copies)."""
         return 1 if self.first_step else self.search.beam_width
 
-    def has_row(self, request) -> bool:
+    def has_row(self, request: Request) -> bool:
         """Whether ``request`` (one of the running beams) brought its row for the next step."""
         return any(beam is request for beam in self.beams) and self.beams.index(request) in self.rows
 

@@ -26,18 +26,19 @@ import torch
 
 from backend.attention.base import AttentionMetadata
 from backend.config import CacheConfig, ConfigError, ModelConfig
+from backend.engine.request import Request
 from backend.engine.sampler import chosen_logprobs
 from backend.models.shape import ModelShape, ceil_div
 
 logger = logging.getLogger(__name__)
 
-PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits exist at once (256 x 49k float32 = 50 MB)
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits exist at once (bounds the memory of [rows, vocab])
 
 
 class ScheduledLike(Protocol):
     """What the runner reads of a scheduled request (backend.engine.scheduler.ScheduledRequest)."""
 
-    request: object  # backend.engine.request.Request: all_token_ids, num_tokens
+    request: Request  # reads all_token_ids, num_tokens
     num_new_tokens: int
     num_computed_tokens: int  # snapshot before this step
     block_ids: list[int]  # the request's whole block table

@@ -11,8 +11,18 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backend.structured_output.spec import StructuredOutputSpec
+
+if TYPE_CHECKING:  # annotations only: this module stays importable without torch
+    import torch
+
+    from backend.engine.beam_group import BeamGroup
+    from backend.engine.detokenizer import IncrementalDetokenizer
+    from backend.engine.sequence_group import SequenceGroup
+    from backend.kv_cache.block_pool import BlockHash
+    from backend.structured_output.manager import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -198,23 +208,23 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     output_logprob_ranks: list[int] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    detokenizer: object | None = None  # backend.engine.detokenizer.IncrementalDetokenizer, set by the engine
-    generator: object | None = None  # torch.Generator of a seeded request, made by the sampler on first use
-    block_hashes: list = field(default_factory=list)  # chained hashes of full blocks (tokens never change)
+    detokenizer: IncrementalDetokenizer | None = None  # set by the engine when it accepts the request
+    generator: torch.Generator | None = None  # of a seeded request, made by the sampler on first use
+    block_hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks (tokens never change)
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache (0 again after a free)
-    grammar: object | None = None  # backend.structured_output.manager.RequestGrammar of a constrained request
+    grammar: RequestGrammar | None = None  # of a constrained request (backend/structured_output)
     # With prompt_logprobs: entry i is log P(prompt token i + 1 | prompt tokens 0..i), filled chunk by chunk.
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     # Parallel sampling (n > 1): the request's samples share one SequenceGroup; this is sample
     # ``sequence_index`` of it (sample 0 computes the prompt, the others fork its blocks).
-    group: object | None = None  # backend.engine.sequence_group.SequenceGroup
+    group: SequenceGroup | None = None
     sequence_index: int = 0
-    beam: object | None = None  # backend.engine.beam_group.BeamGroup: this request is one running beam of it
+    beam: BeamGroup | None = None  # this request is one running beam of it
     # Speculative decoding (backend/spec_decode): this step's proposed tokens, verified after the
     # known ones in the same forward; with a draft model's sampled proposals, their distributions.
     spec_token_ids: list[int] = field(default_factory=list)
-    spec_draft_probs: object | None = None  # torch.Tensor [len(spec_token_ids), vocab] or None (point masses)
+    spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab]; None: point masses
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

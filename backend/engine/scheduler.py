@@ -88,8 +88,9 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         is_held: Callable[[Request], bool] | None = None,
     ) -> None:
-        """``is_held(request)``: a waiting request that must not start yet (its grammar still
-        compiles, or it is a beam whose next step waits for its siblings); the engine says which."""
+        """``is_held(request)``: a request that waits on something outside the scheduler (its grammar
+        still compiles, or it is a beam whose next step waits for its siblings); the engine says
+        which. A held waiting request is stepped over; a held running one may give up its blocks."""
         if cache_config.block_size != kv_cache_manager.block_size:
             raise ValueError(
                 f"block_size mismatch: cache_config {cache_config.block_size}, "
@@ -250,13 +251,13 @@ class Scheduler:
         return freed
 
     def _preempt_an_idle_request(self, output: SchedulerOutput) -> None:
-        """Nothing could run and requests wait: a running request with nothing to compute (a beam
+        """Nothing could run and requests wait: a held running request with nothing to compute (a beam
         whose next step waits for a sibling's log-probabilities; it keeps its own) holds blocks that
         the waiting ones need. The newest such request gives them up (it recomputes later), so the
         waiting sibling can come in; without this the two would wait for each other for good."""
         for index in range(len(self.running) - 1, -1, -1):
             request = self.running[index]
-            if request.num_computed_tokens >= request.num_tokens:
+            if self.is_held(request) and request.num_computed_tokens >= request.num_tokens:
                 del self.running[index]
                 self._preempt(request)
                 output.preempted.append(request)

@@ -16,6 +16,10 @@ sample. An abort or an error ends every sample at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from backend.engine.request import Request
 
 
 def sequence_request_id(request_id: str, index: int) -> str:
@@ -27,10 +31,10 @@ def sequence_request_id(request_id: str, index: int) -> str:
 class SequenceGroup:
     request_id: str  # the client's
     n: int
-    sequences: list = field(default_factory=list)  # backend.engine.request.Request, by sequence_index
+    sequences: list[Request] = field(default_factory=list)  # by sequence_index
     forked: bool = False
     num_finished: int = 0
     finished: bool = False  # every sample ended, or the request was aborted or failed
 
-    def unfinished(self) -> list:
+    def unfinished(self) -> list[Request]:
         return [s for s in self.sequences if not s.is_finished]

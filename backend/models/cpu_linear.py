@@ -2,8 +2,7 @@
 
 Why: on the CPU, ``F.linear`` re-blocks the weight inside each GEMM call; a weight reordered once
 at load into oneDNN's blocked layout (what torch.compile's CPU freezing does) runs the same GEMM
-markedly faster: measured on the 30M demo model with 2 cores, a batch-32 decode step went from
-52 to 31 ms and a 512-token prefill from 311 to 269 ms. The op is torch's internal
+markedly faster (perf/RESULTS.md). The op is torch's internal
 ``mkldnn._linear_pointwise``, so everything here is guarded: packing happens only on the CPU, only
 where the reorder succeeds and reproduces ``F.linear`` on a probe input, else layers keep
 ``F.linear``. The packed copy is extra memory (the plain weight stays for state_dict and tests).

@@ -2,10 +2,9 @@
 modules of backend/models/llama.py, without their per-call Python.
 
 Why: on the CPU a step is one Python thread driving every op while torch's other OpenMP thread
-waits, so Python time between ops is paid twice. Measured on SmolLM2-135M (30 layers) before this
-loop: 4.4 ms of a 25.6 ms batch-1 decode step and 11 ms of a 100 ms batch-64 step went to the
-modules' glue (module calls, dtype and layout checks per op, a fresh output tensor and a ctypes
-argument conversion per kernel call). Here everything that depends only on the model (weight
+waits, so Python time between ops is paid twice. Before this loop a sizeable share of a decode
+step went to the modules' glue (module calls, dtype and layout checks per op, a fresh output
+tensor and a ctypes argument conversion per kernel call; perf/RESULTS.md, "A faster CPU step"). Here everything that depends only on the model (weight
 pointers, packed weights, shapes) is read once, the checks are made once per forward, and the
 kernels write into a few per-step buffers.
 

@@ -59,10 +59,9 @@ def cpu_has_native_bfloat16() -> bool:
 def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """config.pbtxt's ``dtype`` (auto | float32 | bfloat16 | float16) as a torch dtype.
 
-    auto on the CPU: bfloat16 where the CPU multiplies bfloat16 in hardware, else float32. Measured
-    here (perf/RESULTS.md, "dtype: auto"): with AVX512_BF16 a batch-32 SmolLM2 decode step is 1.8x
-    faster in bfloat16; with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, as on an AVX2-only CPU)
-    it is 3.2x slower, bfloat16 being emulated. bfloat16 greedy output is not token-exact against
+    auto on the CPU: bfloat16 where the CPU multiplies bfloat16 in hardware, else float32: with
+    AVX512_BF16 a decode step is faster in bfloat16, without it (bfloat16 emulated) much slower
+    (perf/RESULTS.md, "dtype: auto"). bfloat16 greedy output is not token-exact against
     transformers' own bfloat16 (perf.dtype_choice reports the agreement); set float32 for exact
     greedy parity with transformers in float32. On CUDA: the checkpoint's dtype when it is 16-bit,
     else float32.

@@ -137,7 +137,7 @@ class Speculator:
             request.spec_token_ids = []
             request.spec_draft_probs = None
         ids = {r.request_id for r in running}
-        self._check_shadows(running, ids)
+        self._check_shadows(running)
         limits = {r.request_id: self.limit(r) for r in running}
         candidates = [r for r in running if limits[r.request_id] > 0]
         if self.ngram is not None:
@@ -182,7 +182,7 @@ class Speculator:
         if self.controller.step_time is not None and num_tokens > 0:
             self.controller.step_time.observe(num_tokens, seconds)
 
-    def _check_shadows(self, running: list[Request], ids: set[str]) -> None:
+    def _check_shadows(self, running: list[Request]) -> None:
         """Prompt-lookup proposals the controller did not verify, checked against what came instead."""
         if not self._shadows:
             return

@@ -1,7 +1,7 @@
 """A profiler label around our ctypes kernel calls that costs nothing when no profiler runs.
 
-``torch.profiler.record_function`` costs about 12 us a call here even with no profiler active:
-more than a decode step's fused RMSNorm itself, and a step makes over a hundred such calls.
+``torch.profiler.record_function`` costs time on every call even with no profiler active (more
+than a decode step's fused RMSNorm itself), and a step makes over a hundred such calls.
 perf.profile_step still sees the kernels by name, because it runs the torch profiler.
 """
 
