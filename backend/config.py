@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 # engine: offline tools building the engine from a model folder skip them.
 GLUE_PARAMETER_NAMES = frozenset({
     "shutdown_grace_seconds", "triton_http_url", "engine_process", "engine_heartbeat_timeout_seconds",
-    "on_stub_death",
+    "on_stub_death", "stream_interval", "response_coalescing",
 })
 
 # No tokenizer we know packs more than this many UTF-8 bytes into an average token of real text.

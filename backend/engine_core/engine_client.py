@@ -20,10 +20,11 @@ What a request goes through, the same on all three:
    Free-running clients return at once; the step-on-demand client runs one iteration here
    (``flush(step=False)``: the adds and aborts without a step) and raises CoreLost when its core
    died under the call.
-3. Outputs arrive on ``outbox`` as ``(outputs, stats)`` pairs, each request's in order and ending
-   with exactly one ``finished`` output (the free-running clients send an error output for each
-   request of a core that died, and start a new core); ``None`` once the client has stopped. The
-   step-on-demand client's pair is there when ``flush()`` returns.
+3. Outputs arrive on ``outbox`` as ``EngineOutputs`` items (one per engine iteration: its outputs,
+   the engine's statistics after it, and when this process had them), each request's in order and
+   ending with exactly one ``finished`` output (the free-running clients send an error output for
+   each request of a core that died, and start a new core); ``None`` once the client has stopped.
+   The step-on-demand client's item is there when ``flush()`` returns.
 
 ``abort(request_id)`` ends a request before the engine's next step; ``begin_drain(grace)`` refuses
 new requests and has the core end what still runs after ``grace`` seconds; ``stop()`` ends every
@@ -36,13 +37,27 @@ from __future__ import annotations
 import abc
 import queue
 import threading
+import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from backend.config import EngineConfig
-from backend.engine.outputs import EngineStats
+from backend.engine.outputs import EngineStats, RequestOutput
 from backend.engine_core.admission import AdmissionControl
 from backend.engine_core.messages import AddRequest, CoreReady
 from backend.engine_core.stub_watch import StubWatch
+
+
+class EngineOutputs(NamedTuple):
+    """One iteration's outputs as the front end takes them from ``outbox``."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats
+    received_at: float  # time.monotonic() when this process had them: the tokens' time for ITL metrics
+
+
+def engine_outputs(outputs: list[RequestOutput], stats: EngineStats, received_at: float | None = None) -> EngineOutputs:
+    return EngineOutputs(outputs, stats, time.monotonic() if received_at is None else received_at)
 
 
 def empty_stats(num_kv_blocks: int = 0) -> EngineStats:

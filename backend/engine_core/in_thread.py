@@ -16,7 +16,7 @@ import threading
 from backend.engine.llm_engine import LLMEngine
 from backend.engine_core.admission import UNLOADING_MESSAGE
 from backend.engine_core.core import EngineCore
-from backend.engine_core.engine_client import EngineClient
+from backend.engine_core.engine_client import EngineClient, engine_outputs
 from backend.engine_core.messages import AddRequest, CoreReady
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class InThreadClient(EngineClient):
                     aborts, self._aborts = self._aborts, []
                 stop_message = self.admission.closed_message
                 if stop_message is not None:
-                    self.outbox.put((core.fail_everything(stop_message, pending), core.stats()))
+                    self.outbox.put(engine_outputs(core.fail_everything(stop_message, pending), core.stats()))
                     core.engine.close()  # the offload tier writes what it has queued
                     return
                 if self.admission.draining:
@@ -85,6 +85,6 @@ class InThreadClient(EngineClient):
                 stats = core.stats()
                 self.admission.engine_reported(stats.num_waiting, core.num_adds_seen)
                 if outputs or pending or aborts:
-                    self.outbox.put((outputs, stats))
+                    self.outbox.put(engine_outputs(outputs, stats))
         finally:
             self.outbox.put(None)

@@ -2,7 +2,7 @@
 
 ``flush``/``abort``/``begin_drain``/``stop`` send ``CoreInput`` messages over ZeroMQ (a lock
 serializes the callers: Triton's thread, the responder, the drain watcher); a reader thread turns
-each ``CoreOutputs`` into one ``(outputs, stats)`` item of ``outbox`` (the interface is
+each ``CoreOutputs`` into one ``EngineOutputs`` item of ``outbox`` (the interface is
 backend/engine_core/engine_client.py). The reader also watches the core:
 
 - the process exited (kill -9, a CUDA error, out of memory): seen within ``POLL_SECONDS``;
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from backend.config import EngineConfig
 from backend.engine_core.admission import UNLOADING_MESSAGE
 from backend.engine_core.core import error_output
-from backend.engine_core.engine_client import EngineClient, empty_stats
+from backend.engine_core.engine_client import EngineClient, empty_stats, engine_outputs
 from backend.engine_core.messages import AddRequest, CoreInput, CoreOutputs, CoreReady
 from backend.engine_core.process_handle import (
     DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
@@ -154,13 +154,13 @@ class ProcessClient(EngineClient):
                 if output.finished:
                     self._active.discard(output.request_id)
         if message.outputs or message.stepped:
-            self.outbox.put((message.outputs, message.stats))
+            self.outbox.put(engine_outputs(message.outputs, message.stats, now))
 
     def _fail_active(self, message: str) -> None:
         with self._lock:
             failed, self._active = self._active, set()
         if failed:
-            self.outbox.put(([error_output(request_id, message) for request_id in failed], empty_stats()))
+            self.outbox.put(engine_outputs([error_output(request_id, message) for request_id in failed], empty_stats()))
 
     def _recover(self, reason: str) -> None:
         """The core is gone: its requests end with ``reason``, and a new core starts."""
@@ -181,7 +181,7 @@ class ProcessClient(EngineClient):
                     if self.admission.draining:
                         self._process.send(CoreInput(drain_grace=0.0))
                 logger.warning("engine core restarted (pid %d)", ready.pid)
-                self.outbox.put(([], empty_stats(ready.num_kv_blocks)))
+                self.outbox.put(engine_outputs([], empty_stats(ready.num_kv_blocks)))
                 return
             except CoreStartError:
                 logger.exception("restarting the engine core failed; retrying in %g s", RESTART_BACKOFF_SECONDS)

@@ -27,7 +27,7 @@ from backend.config import EngineConfig
 from backend.engine.outputs import EngineStats, RequestOutput
 from backend.engine_core.admission import UNLOADING_MESSAGE
 from backend.engine_core.core import EngineCore
-from backend.engine_core.engine_client import EngineClient
+from backend.engine_core.engine_client import EngineClient, engine_outputs
 from backend.engine_core.messages import AddRequest, CoreInput, CoreOutputs, CoreReady
 from backend.engine_core.process_handle import (
     DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
@@ -86,7 +86,7 @@ class StepOnDemandClient(EngineClient):
 
     def flush(self, step: bool = True) -> None:
         """One iteration: the queued adds and aborts, and one step unless ``step`` is False (aborts
-        between Triton's iterations). Its ``(outputs, stats)`` is on ``outbox`` when this returns;
+        between Triton's iterations). Its EngineOutputs item is on ``outbox`` when this returns;
         raises what the transport raised (CoreLost: what was queued is gone with the core)."""
         adds, self._adds = self._adds, []
         aborts, self._aborts = self._aborts, []
@@ -97,7 +97,7 @@ class StepOnDemandClient(EngineClient):
             self.admission.engine_reported(0, self._sent)  # nothing waits in a lost core
             raise
         self.admission.engine_reported(stats.num_waiting, self._sent)
-        self.outbox.put((outputs, stats))
+        self.outbox.put(engine_outputs(outputs, stats))
 
     def _drain(self, grace_seconds: float) -> None:
         self.transport.begin_drain(grace_seconds)

@@ -30,12 +30,13 @@ OnAccept = Callable[[ResponseState, object], None]  # (the request's state, its 
 
 class RequestAdmission:
     def __init__(self, pb, engine: EngineClient, inputs: InputProcessor, default_max_tokens: int,
-                 max_prompt_bytes: int | None = None):
+                 max_prompt_bytes: int | None = None, stream_interval: int = 1):
         self.pb = pb
         self.engine = engine
         self.inputs = inputs
         self.default_max_tokens = default_max_tokens
         self.max_prompt_bytes = max_prompt_bytes
+        self.stream_interval = stream_interval  # config.pbtxt's; a request's sampling_parameters may override it
 
     def admit(self, request, sender, request_id: str, arrival_time: float, on_accept: OnAccept) -> ResponseState | None:
         """The accepted request's state, or None once it was answered (see the module docstring)."""
@@ -65,7 +66,8 @@ class RequestAdmission:
         params = parsed.sampling_params
         state = ResponseState(request_id, parsed.stream, parsed.exclude_input_in_output, prompt, arrival_time,
                               returns=parsed.returns, wants_logprobs=params.logprobs,
-                              prompt_token_ids=prompt_token_ids, num_samples=params.n)
+                              prompt_token_ids=prompt_token_ids, num_samples=params.n,
+                              stream_interval=parsed.stream_interval or self.stream_interval)
         try:
             self.engine.submit(AddRequest(request_id, prompt_token_ids, params, arrival_time),
                                on_accept=lambda: on_accept(state, sender))

@@ -19,8 +19,10 @@ from backend.engine.input_processor import InputProcessor
 from backend.engine_core.engine_client import EngineClient, make_engine_client
 from backend.triton.helpers import (
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    bool_parameter,
     engine_process_options,
     load_llm_config,
+    positive_int_parameter,
     seconds_parameter,
     set_utf8_locale,
     start_unload_watcher,
@@ -61,6 +63,8 @@ class EngineModel(abc.ABC):
             pb_utils, args, needs_iterative_sequence=self.step_on_demand)
         grace = seconds_parameter(parameters, "shutdown_grace_seconds", DEFAULT_SHUTDOWN_GRACE_SECONDS)
         use_process, heartbeat_timeout = engine_process_options(parameters)
+        self.stream_interval = positive_int_parameter(parameters, "stream_interval", 1)
+        self.response_coalescing = bool_parameter(parameters, "response_coalescing", True)
         self.metrics = metrics = TritonMetrics(pb_utils, self.model_name)
         ready_url = triton_readiness_url(parameters, self.model_name, str(args.get("model_version", "")))
         engine = make_engine_client(

@@ -109,6 +109,20 @@ def seconds_parameter(parameters: dict[str, str], name: str, default: float) -> 
     return value
 
 
+def positive_int_parameter(parameters: dict[str, str], name: str, default: int) -> int:
+    """A glue parameter that counts something (an integer >= 1); ``default`` when absent or empty."""
+    raw = parameters.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"parameter '{name}': expected an integer >= 1, got {parameters[name]!r}") from None
+    if value < 1:
+        raise ConfigError(f"parameter '{name}': must be >= 1, got {parameters[name]!r}")
+    return value
+
+
 def bool_parameter(parameters: dict[str, str], name: str, default: bool) -> bool:
     raw = parameters.get(name, "").strip().lower()
     if not raw:

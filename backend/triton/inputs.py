@@ -51,6 +51,7 @@ class ParsedRequest:
     exclude_input_in_output: bool
     messages: list[dict[str, str]] | None = None  # chat messages, to render with the chat template
     returns: ReturnOptions = ReturnOptions()
+    stream_interval: int | None = None  # sampling_parameters.stream_interval (None: the model's default)
 
 
 # Keys accepted in the `sampling_parameters` JSON object: vLLM's names, which are SamplingParams fields.
@@ -219,7 +220,7 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, check: Callable
             raise InputError(f"stop_words: {flat.size} elements; at most {MAX_STOP_WORDS_TENSOR}")
         words = [_decode_utf8("stop_words", w) for w in flat]
         values["stop"] = [w for w in words if w]
-    options = {"stream": False, "exclude_input_in_output": True}
+    options: dict[str, object] = {"stream": False, "exclude_input_in_output": True}
     for name in REQUEST_OPTION_KEYS:
         value = scalar(get_input, name)
         if value is not None:
@@ -243,7 +244,7 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, check: Callable
     except ValueError as exc:  # EngineInputError or SamplingParamsError: the message names the field
         raise InputError(str(exc)) from None
     return ParsedRequest(prompt, params, bool(options["stream"]), bool(options["exclude_input_in_output"]),
-                         messages, returns)
+                         messages, returns, options.get("stream_interval"))
 
 
 def _prompt_or_messages(get_input: GetInput, max_prompt_bytes: int | None) -> tuple[str | None, list | None]:
@@ -305,7 +306,7 @@ def parse_messages(text: str) -> list[dict[str, str]]:
     return messages
 
 
-def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, object]:
+def _parse_sampling_json(text: str, options: dict[str, object]) -> dict[str, object]:
     if len(text) > MAX_SAMPLING_PARAMETERS_BYTES:
         raise InputError(
             f"sampling_parameters: {len(text)} characters; at most {MAX_SAMPLING_PARAMETERS_BYTES}"
@@ -318,6 +319,8 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
         where = f"sampling_parameters.{key}"
         if key in REQUEST_OPTION_KEYS:
             options[key] = as_bool(where, value, text_ok=True)
+        elif key == "stream_interval":
+            options[key] = _stream_interval(where, value)
         elif key in FIXED_KEYS:
             _check_fixed(where, key, value)
         elif key == "lora_name":
@@ -327,7 +330,7 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
             _set_constraint(values, key, value, where)
         elif key not in SAMPLING_PARAMETER_KEYS:
             known = ", ".join(sorted([*SAMPLING_PARAMETER_KEYS, *REQUEST_OPTION_KEYS, *FIXED_KEYS, "lora_name",
-                                      "structured_outputs", *LEGACY_KEYS]))
+                                      "stream_interval", "structured_outputs", *LEGACY_KEYS]))
             raise InputError(f"sampling_parameters: unknown key '{key}' (known: {known})")
         elif key == "stop":
             if value is None:
@@ -370,6 +373,16 @@ def _parse_sampling_json(text: str, options: dict[str, bool]) -> dict[str, objec
         else:
             values[key] = _as_float(where, value, text_ok=True)
     return values
+
+
+def _stream_interval(where: str, value) -> int | None:
+    """Tokens per streamed response (backend/triton/stream_interval.py); null: the model's default."""
+    if value is None:
+        return None
+    interval = _as_int(where, value, text_ok=True)
+    if interval < 1:
+        raise InputError(f"{where}: must be >= 1 (1 streams every token), got {interval}")
+    return interval
 
 
 def _set_constraint(values: dict[str, object], key: str, value, where: str) -> None:

@@ -76,13 +76,13 @@ class IterativeDriver:
     """
 
     def __init__(self, pb, engine: StepOnDemandClient, inputs, model_name: str, default_max_tokens: int,
-                 metrics=None, max_prompt_bytes: int | None = None):
+                 metrics=None, max_prompt_bytes: int | None = None, stream_interval: int = 1):
         self.pb = pb
         self.engine = engine
         self.inputs = inputs
         self.model_name = model_name
         self.metrics = metrics
-        self.admission = RequestAdmission(pb, engine, inputs, default_max_tokens, max_prompt_bytes)
+        self.admission = RequestAdmission(pb, engine, inputs, default_max_tokens, max_prompt_bytes, stream_interval)
         self.sequences: dict[object, Sequence] = {}  # correlation id -> sequence
         self._by_request_id: dict[str, object] = {}  # engine request id -> correlation id
 
@@ -109,7 +109,7 @@ class IterativeDriver:
                 self.engine.abort(sequence.request_id)
         self._abort_abandoned(present, now)
         try:
-            outputs, stats = self._iterate(step=True)
+            outputs, stats, _ = self._iterate(step=True)
         except CoreLost as exc:
             self.lose_everything(str(exc), present)
             return
@@ -126,7 +126,7 @@ class IterativeDriver:
             self.metrics.update_engine_stats(stats)
 
     def _iterate(self, step: bool):
-        """One engine iteration: (outputs, stats); raises what the engine raised."""
+        """One engine iteration (EngineOutputs: outputs, stats, time); raises what the engine raised."""
         self.engine.flush(step=step)
         return self.engine.outbox.get_nowait()
 
@@ -162,7 +162,7 @@ class IterativeDriver:
             self._forget(correlation_id)
             self.engine.abort(sequence.request_id)
         try:
-            _, stats = self._iterate(step=False)
+            _, stats, _ = self._iterate(step=False)
         except Exception as exc:  # CoreLost, or a new core that would not start
             self.lose_everything(str(exc) if isinstance(exc, CoreLost) else f"internal error: {exc}", present={})
             return len(cancelled)
@@ -283,7 +283,7 @@ class TritonPythonModel(EngineModel):
     def start_serving(self) -> None:
         self.driver = IterativeDriver(self.pb, self.engine, self.inputs, self.model_name,
                                       self.config.scheduler.default_max_tokens, self.metrics,
-                                      self.config.model.prompt_byte_limit)
+                                      self.config.model.prompt_byte_limit, self.stream_interval)
         # See the module docstring: the engine is much slower on the stub's main thread. It is
         # also the only thread that touches the engine (execute() and the cancellation reaper).
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-iterative-engine")

@@ -30,8 +30,9 @@ class TritonPythonModel(EngineModel):
 
     def start_serving(self) -> None:
         self.admission = RequestAdmission(self.pb, self.engine, self.inputs, self.config.scheduler.default_max_tokens,
-                                          self.config.model.prompt_byte_limit)
-        self.responder = Responder(self.pb, self.engine, self.metrics, self.inputs.tokenizer)
+                                          self.config.model.prompt_byte_limit, self.stream_interval)
+        self.responder = Responder(self.pb, self.engine, self.metrics, self.inputs.tokenizer,
+                                   coalesce=self.response_coalescing)
         self._ids = itertools.count()
         self.responder.start()
 

@@ -2,10 +2,15 @@
 
 Each request gets its text deltas (``stream=true``) or one response with all its text, and exactly
 one FINAL flag: after its last token, after an error, and after a cancellation too
-(backend/triton/response_state.py has the rules; this thread flushes after every output).
-Cancelled requests (the client cancelled the gRPC call or closed the stream) are aborted in the
-engine so their KV blocks are freed at once. Once a request is registered, only this thread
-touches its sender, and never after its FINAL flag.
+(backend/triton/response_state.py has the rules). Coalescing (config.pbtxt ``response_coalescing``,
+on by default): each time the thread wakes it takes every iteration waiting in the engine's outbox,
+collects them all, then flushes each request they touched once, so the tokens of several steps
+that waited for the same request leave in one response. At low load one iteration waits at a time
+and nothing changes; under load the responses per request fall by themselves. Metrics are taken
+per iteration, at the time this process had it, before any coalescing. With coalescing off the
+thread flushes after every output. Cancelled requests (the client cancelled the gRPC call or
+closed the stream) are aborted in the engine so their KV blocks are freed at once. Once a request
+is registered, only this thread touches its sender, and never after its FINAL flag.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from backend.engine.outputs import RequestOutput
-from backend.engine_core.engine_client import EngineClient
+from backend.engine_core.engine_client import EngineClient, EngineOutputs
 from backend.triton.helpers import send_error
 from backend.triton.metrics import TritonMetrics
 from backend.triton.response_state import ResponseState
@@ -40,8 +45,10 @@ class ActiveRequest:
 
 
 class Responder:
-    def __init__(self, pb_utils, engine: EngineClient, metrics: TritonMetrics | None, tokenizer=None):
+    def __init__(self, pb_utils, engine: EngineClient, metrics: TritonMetrics | None, tokenizer=None,
+                 coalesce: bool = True):
         self.pb = pb_utils
+        self.coalesce = coalesce
         self.engine = engine
         self.metrics = metrics
         self.tokenizer = tokenizer  # decodes the tokens of vLLM-style logprobs
@@ -69,24 +76,50 @@ class Responder:
         next_poll = time.monotonic() + CANCEL_POLL_SECONDS
         while True:
             try:
-                item = self.engine.outbox.get(timeout=CANCEL_POLL_SECONDS)
+                items = [self.engine.outbox.get(timeout=CANCEL_POLL_SECONDS)]
             except queue.Empty:
-                item = ()
-            if item is None:
+                items = []
+            if self.coalesce and items and items[-1] is not None:
+                items.extend(self._take_waiting())
+            stopped = bool(items) and items[-1] is None
+            self._answer([item for item in items if item is not None])
+            if stopped:
                 self._fail_remaining("the model is being unloaded")
                 return
-            if item:
-                outputs, stats = item
-                for output in outputs:
-                    try:
-                        self._handle(output)
-                    except Exception:
-                        logger.exception("sending a response for %s failed", output.request_id)
-                if self.metrics is not None:
-                    self.metrics.update_engine_stats(stats)
             if time.monotonic() >= next_poll:
                 self._poll_cancellations()
                 next_poll = time.monotonic() + CANCEL_POLL_SECONDS
+
+    def _take_waiting(self) -> list[EngineOutputs | None]:
+        """Every item already in the outbox, up to and including the stop sentinel."""
+        waiting = []
+        while True:
+            try:
+                item = self.engine.outbox.get_nowait()
+            except queue.Empty:
+                return waiting
+            waiting.append(item)
+            if item is None:
+                return waiting
+
+    def _answer(self, items: list[EngineOutputs]) -> None:
+        """Collects the items' outputs in order, then flushes each request they touched: once at the
+        end when coalescing, else after each of its outputs."""
+        touched: dict[str, ActiveRequest] = {}
+        for outputs, stats, received_at in items:
+            for output in outputs:
+                try:
+                    active = self._collect(output, received_at)
+                    if active is not None and self.coalesce:
+                        touched[active.request_id] = active
+                    elif active is not None:
+                        self._flush(active)
+                except Exception:
+                    logger.exception("collecting an output for %s failed", output.request_id)
+            if self.metrics is not None:
+                self.metrics.update_engine_stats(stats)
+        for active in touched.values():
+            self._flush(active)
 
     def _poll_cancellations(self) -> None:
         with self._lock:
@@ -100,15 +133,21 @@ class Responder:
                 active.state.cancelled = True
                 self.engine.abort(active.request_id)
 
-    def _handle(self, output: RequestOutput) -> None:
+    def _collect(self, output: RequestOutput, received_at: float) -> ActiveRequest | None:
         with self._lock:
             active = self._active.get(output.request_id)
         if active is None:
-            return
-        active.state.collect(output, time.monotonic(), self.metrics)
+            return None
+        active.state.collect(output, received_at, self.metrics)
         if output.finished:
             self.unregister(active.request_id)
-        active.state.flush(self.pb, active.sender, self.tokenizer)
+        return active
+
+    def _flush(self, active: ActiveRequest) -> None:
+        try:
+            active.state.flush(self.pb, active.sender, self.tokenizer)
+        except Exception:
+            logger.exception("sending a response for %s failed", active.request_id)
 
     def _fail_remaining(self, message: str) -> None:
         with self._lock:

@@ -2,13 +2,15 @@
 
 Engine outputs are collected as they come (metrics are recorded then: TTFT, ITL, counts); a flush
 turns everything collected since the last one into at most one response. The two models differ
-only in when they flush: the `llm` responder after every output, `llm_iterative` once per
-execute(). The rules of a flush:
+only in when they flush: the `llm` responder once per wake-up for every request it has news of
+(backend/triton/responder.py), `llm_iterative` once per execute(). The rules of a flush:
 
 - a cancelled request gets nothing more, then only a bare FINAL flag once the engine ended it;
 - an engine error ends the request with an error response (FINAL);
 - otherwise a response goes out when the request ended (FINAL, with everything not sent yet) or
-  when it streams and has new tokens; a non-streaming request waits for its end;
+  when it streams and has new tokens: its first token at once, after that once at least
+  ``stream_interval`` tokens wait (config.pbtxt ``stream_interval``, or per request in
+  ``sampling_parameters``; 1 sends every token); a non-streaming request waits for its end;
 - the first response carries the prompt too when ``exclude_input_in_output`` is false.
 """
 
@@ -24,6 +26,7 @@ from backend.triton.inputs import ReturnOptions
 from backend.triton.metrics import TritonMetrics, record_finish, record_tokens
 from backend.triton.return_outputs import delta_response
 from backend.triton.sequence_responses import SampleState, collect_sample, flush_samples
+from backend.triton.stream_interval import streams_now
 
 
 @dataclass(slots=True)
@@ -43,6 +46,8 @@ class ResponseState:
     prompt_sent: bool = False
     cancelled: bool = False
     cumulative_logprob: float = 0.0
+    stream_interval: int = 1  # a streamed response waits for this many new tokens (not the first, not the last)
+    num_tokens_sent: int = 0  # output tokens sent so far (without n > 1)
     num_samples: int = 1  # n > 1: backend/triton/sequence_responses.py sends the responses
     samples: list = field(default_factory=list)  # with n > 1: one SampleState per sample
 
@@ -79,10 +84,11 @@ class ResponseState:
             return True
         if self.samples:
             return flush_samples(self, pb, sender, tokenizer)
-        has_tokens = any(o.new_token_ids for o in self.pending)
-        if final is None and not (self.stream and has_tokens):
+        num_new = sum(len(o.new_token_ids) for o in self.pending)
+        if final is None and not (self.stream and streams_now(num_new, self.num_tokens_sent, self.stream_interval)):
             return False
         outputs, self.pending = self.pending, []
+        self.num_tokens_sent += num_new
         response = self._response(pb, outputs, final, tokenizer)
         if final is None:
             sender.send(response)

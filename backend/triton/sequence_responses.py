@@ -1,7 +1,8 @@
 """The responses of a request with n > 1 samples (parallel sampling, backend/engine/sequence_group.py).
 
-Streaming: each flush sends one response per sample that has new tokens (a response carries one
-sample's delta and its ``sequence_index``); the FINAL flag goes on the last response after every
+Streaming: each flush sends one response per sample that has tokens to send (a response carries
+one sample's delta and its ``sequence_index``; ``stream_interval`` counts each sample's tokens, and
+a sample's first and last tokens go at once); the FINAL flag goes on the last response after every
 sample ended, alone (a bare FINAL) when nothing was left to send. Not streaming: one response at
 the end whose tensors hold the n samples in order: ``text_output`` [1, n], ``finish_reason``
 [1, n], ``num_output_tokens`` [1, n], ``sequence_index`` [1, n] = 0..n-1, and ``output_ids``
@@ -20,6 +21,7 @@ import numpy as np
 
 from backend.engine.outputs import RequestOutput
 from backend.triton.return_outputs import delta_response, delta_text, finish_reason_text, logprob_entries
+from backend.triton.stream_interval import streams_now
 
 
 @dataclass(slots=True)
@@ -32,6 +34,7 @@ class SampleState:
     prompt_sent: bool = False
     cumulative_logprob: float = 0.0
     num_output_tokens: int = 0
+    num_tokens_sent: int = 0
 
 
 def collect_sample(state, output: RequestOutput, now: float, metrics) -> None:
@@ -64,9 +67,12 @@ def flush_samples(state, pb, sender, tokenizer) -> bool:
     if state.stream:
         responses = []
         for index, sample in enumerate(state.samples):
-            if not any(o.new_token_ids for o in sample.pending) and not (sample.final is not None and sample.pending):
+            num_new = sum(len(o.new_token_ids) for o in sample.pending)
+            due = sample.pending and (sample.final is not None or (state.final is not None and num_new > 0))
+            if not due and not streams_now(num_new, sample.num_tokens_sent, state.stream_interval):
                 continue
             outputs, sample.pending = sample.pending, []
+            sample.num_tokens_sent += num_new
             responses.append(delta_response(pb, state, sample, outputs, sample.final, tokenizer,
                                             [pb.Tensor("sequence_index", np.array([[index]], dtype=np.int32))]))
         if state.final is None:
