@@ -9,6 +9,8 @@ Systems (same prompts, same forced output lengths, greedy, same dtype):
   core in its own process, the default; the engine-core IPC cost per step comes from the
   server's ``llm_engine_core_ipc_seconds`` histogram);
 * ``triton-thread``: the same with ``engine_process: false`` (the engine on a thread of the stub);
+* ``triton-no-coalescing``: the ``llm`` model with ``response_coalescing: false`` (one response per
+  engine step per request; not in the default set);
 * ``triton-iterative``: the ``llm_iterative`` model (Triton's sequence batcher drives the engine,
   strategy ``oldest`` as shipped), and ``triton-iterative-direct`` the same with the ``direct``
   strategy; not in the default set (run them with ``--systems``);
@@ -58,7 +60,7 @@ from perf.compare.report import SystemResult, markdown_report, medians_report, w
 
 DEFAULT_SYSTEMS = ("triton", "triton-thread", "engine", "engine-no-fused-ops", "engine-torch-attention", "vllm",
                    "hf-continuous", "hf-static")
-ALL_SYSTEMS = (*DEFAULT_SYSTEMS, "triton-iterative", "triton-iterative-direct")
+ALL_SYSTEMS = (*DEFAULT_SYSTEMS, "triton-no-coalescing", "triton-iterative", "triton-iterative-direct")
 
 
 TRITON_THREAD_NAME = "In-thread engine, Triton llm (engine_process false)"
@@ -83,6 +85,8 @@ def direct_strategy(config: str) -> str:
 TRITON_SYSTEMS = {
     "triton": ("llm", {}, None, "Triton llm (gRPC streaming)"),
     "triton-thread": ("llm", {"engine_process": "false"}, None, TRITON_THREAD_NAME),
+    "triton-no-coalescing": ("llm", {"response_coalescing": "false"}, None,
+                             "One response per step, Triton llm (response_coalescing false)"),
     "triton-iterative": ("llm_iterative", {}, None, "llm_iterative in Triton (sequence batcher, oldest)"),
     "triton-iterative-direct": ("llm_iterative", {}, direct_strategy,
                                 "llm_iterative in Triton (sequence batcher, direct)"),
@@ -213,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                                            mismatched=count_length_mismatches(completed),
                                            load=(load_before, os.getloadavg()[0]))
         result.server_cpu_s, result.client_cpu_s = cpu.server_seconds(), cpu.client_seconds()
+        result.token_responses = sum(len(r.token_times) for r in records)
         return result
 
     for run, system in [(r, s) for r in range(args.repeat) for s in systems]:

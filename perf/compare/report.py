@@ -36,6 +36,7 @@ class SystemResult:
     load_after: float | None = None
     server_cpu_s: float | None = None  # CPU seconds of the server's processes (or of the in-process system)
     client_cpu_s: float | None = None  # CPU seconds of the load generator (served systems only)
+    token_responses: int | None = None  # responses that carried tokens (served systems only)
 
     @property
     def tokens_per_cpu_second(self) -> float | None:
@@ -134,6 +135,11 @@ def markdown_report(document: dict, results: list[SystemResult]) -> str:
             at = f" ({r.arrival})" if sweep else ""
             headline.append(f"- CPU ms per output token, {r.name}{at}: {1000 * total / r.output_tokens:.2f} "
                             f"(server {1000 * r.server_cpu_s / r.output_tokens:.2f})")
+    for r in results:
+        if r.token_responses:
+            at = f" ({r.arrival})" if sweep else ""
+            headline.append(f"- responses, {r.name}{at}: {r.token_responses / max(1, r.num_requests):.1f} per request, "
+                            f"{r.output_tokens / r.token_responses:.2f} tokens each")
     ipc = document.get("systems", {}).get("engine_core_ipc", {})
     for system, summary in ipc.items():
         headline.append(f"- engine-core IPC per step ({system}): median {summary['median_us']:.0f} us "
@@ -220,21 +226,33 @@ def medians_report(results: list[SystemResult]) -> str:
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
+    def cpu_ms_per_token(r: SystemResult):
+        if r.server_cpu_s is None or not r.output_tokens:
+            return None
+        return 1000 * (r.server_cpu_s + (r.client_cpu_s or 0.0)) / r.output_tokens
+
     rows = {group: (median([r.output_token_throughput for r in runs]), median([r.ttft_p50_ms for r in runs]),
-                    median([r.itl_p50_ms for r in runs]), len(runs)) for group, runs in by_system.items()}
+                    median([r.itl_p50_ms for r in runs]), len(runs), median([r.itl_p99_ms for r in runs]),
+                    median([cpu_ms_per_token(r) for r in runs]),
+                    median([r.output_tokens / r.token_responses if r.token_responses else None for r in runs]))
+            for group, runs in by_system.items()}
     engines: dict[str, tuple] = {}  # arrival -> the first engine row there
     for (name, arrival), row in rows.items():
         if name.startswith(ENGINE_NAME_PREFIX):
             engines.setdefault(arrival, row)
     lines = ["Medians over the runs (alternating systems):", "",
-             "| system | runs | output tok/s | TTFT p50 | ITL p50 | tok/s / engine | TTFT p50 vs engine | ITL p50 vs engine |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for (name, arrival), (tps, ttft, itl, count) in rows.items():
+             "| system | runs | output tok/s | TTFT p50 | ITL p50 | ITL p99 | CPU ms per out tok | tokens per response "
+             "| tok/s / engine | TTFT p50 vs engine | ITL p50 vs engine |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for (name, arrival), (tps, ttft, itl, count, itl99, cpu_ms, per_response) in rows.items():
         engine = engines.get(arrival, next(iter(engines.values()), None))
         ratio = f"{tps / engine[0]:.2f}x" if engine and engine[0] else "-"
         label = f"{name} ({arrival})" if sweep else name
-        lines.append(f"| {label} | {count} | {tps:.1f} | {_ms(ttft)} | {_ms(itl)} | {ratio} "
-                     f"| {_relative(ttft, engine[1]) if engine else '-'} | {_relative(itl, engine[2]) if engine else '-'} |")
+        cpu_text = "-" if cpu_ms is None else f"{cpu_ms:.2f}"
+        per_text = "-" if per_response is None else f"{per_response:.2f}"
+        lines.append(f"| {label} | {count} | {tps:.1f} | {_ms(ttft)} | {_ms(itl)} | {_ms(itl99)} | {cpu_text} | {per_text} "
+                     f"| {ratio} | {_relative(ttft, engine[1]) if engine else '-'} "
+                     f"| {_relative(itl, engine[2]) if engine else '-'} |")
     return "\n".join(lines) + "\n"
 
 
