@@ -141,7 +141,8 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
 }
 
 
-def _parse_value(name: str, kind: str, minimum: int | None, raw: str, base_dir: str | None):
+def parse_parameter_value(name: str, kind: str, minimum: int | None, raw: str, base_dir: str | None = None):
+    """One config.pbtxt value of ``kind`` (int, bool, choice, path); ConfigError naming ``name``."""
     text = str(raw).strip()
     if kind == "int":
         try:
@@ -189,7 +190,7 @@ def parse_engine_config(
             known = ", ".join(sorted(_PARAMETERS | dict.fromkeys(extra_names)))
             raise ConfigError(f"unknown parameter '{name}' (known: {known})")
         section, kind, minimum = _PARAMETERS[name]
-        sections[section][name] = _parse_value(name, kind, minimum, raw, base_dir)
+        sections[section][name] = parse_parameter_value(name, kind, minimum, raw, base_dir)
     model = sections["model"]
     if "model_dir" not in model:
         raise ConfigError("parameter 'model_dir': required")

@@ -13,7 +13,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from backend.config import GLUE_PARAMETER_NAMES, ConfigError, EngineConfig, parse_engine_config
+from backend.config import (
+    GLUE_PARAMETER_NAMES,
+    ConfigError,
+    EngineConfig,
+    parse_engine_config,
+    parse_parameter_value,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,27 +117,13 @@ def seconds_parameter(parameters: dict[str, str], name: str, default: float) -> 
 
 def positive_int_parameter(parameters: dict[str, str], name: str, default: int) -> int:
     """A glue parameter that counts something (an integer >= 1); ``default`` when absent or empty."""
-    raw = parameters.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"parameter '{name}': expected an integer >= 1, got {parameters[name]!r}") from None
-    if value < 1:
-        raise ConfigError(f"parameter '{name}': must be >= 1, got {parameters[name]!r}")
-    return value
+    raw = parameters.get(name, "")
+    return parse_parameter_value(name, "int", 1, raw) if raw.strip() else default
 
 
 def bool_parameter(parameters: dict[str, str], name: str, default: bool) -> bool:
-    raw = parameters.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("true", "1", "yes", "on"):
-        return True
-    if raw in ("false", "0", "no", "off"):
-        return False
-    raise ConfigError(f"parameter '{name}': expected true or false, got {parameters[name]!r}")
+    raw = parameters.get(name, "")
+    return parse_parameter_value(name, "bool", None, raw) if raw.strip() else default
 
 
 def engine_process_options(parameters: dict[str, str]) -> tuple[bool, float]:
