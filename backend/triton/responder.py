@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from backend.engine.outputs import RequestOutput
+from backend.engine_core.admission import UNLOADING_MESSAGE
 from backend.engine_core.engine_client import EngineClient, EngineOutputs
 from backend.triton.helpers import send_error
 from backend.triton.metrics import TritonMetrics
@@ -84,7 +85,7 @@ class Responder:
             stopped = bool(items) and items[-1] is None
             self._answer([item for item in items if item is not None])
             if stopped:
-                self._fail_remaining("the model is being unloaded")
+                self._fail_remaining(UNLOADING_MESSAGE)
                 return
             if time.monotonic() >= next_poll:
                 self._poll_cancellations()
@@ -110,12 +111,15 @@ class Responder:
             for output in outputs:
                 try:
                     active = self._collect(output, received_at)
-                    if active is not None and self.coalesce:
-                        touched[active.request_id] = active
-                    elif active is not None:
-                        self._flush(active)
                 except Exception:
                     logger.exception("collecting an output for %s failed", output.request_id)
+                    continue
+                if active is None:
+                    continue
+                if self.coalesce:
+                    touched[active.request_id] = active
+                else:
+                    self._flush(active)
             if self.metrics is not None:
                 self.metrics.update_engine_stats(stats)
         for active in touched.values():
