@@ -68,7 +68,9 @@ def test_perf_analyzer_streaming_sweep(triton_server, demo_model_dir, tmp_path):
     assert all(float(row["Inferences/Second"]) > 0 for row in rows)
     export = json.loads((out_dir / "profile_export.json").read_text())
     requests = [r for experiment in export["experiments"] for r in experiment["requests"]]
-    assert requests and all(len(r["response_timestamps"]) == 8 for r in requests)  # one response per token
+    # One response per token, unless steps waited for the responder and were coalesced (README
+    # "Streamed responses"): never more than the 8 tokens.
+    assert requests and all(1 <= len(r["response_timestamps"]) <= 8 for r in requests)
     token_metrics = json.loads((out_dir / "token_metrics.json").read_text())
     assert [row["label"] for row in token_metrics] == ["concurrency=1", "concurrency=2"]
     assert all(row["metrics"]["num_errors"] == 0 and row["metrics"]["ttft_ms"]["p50"] > 0 for row in token_metrics)

@@ -82,10 +82,10 @@ def test_coalescing_on_and_off_stream_the_same_tokens_and_coalescing_sends_fewer
     plain = range(NUM_PLAIN)  # greedy streams without a stop string: a response per step when not coalesced
     assert all(off_results[i].num_responses <= len(off_results[i].token_ids) for i in plain)
     off_responses = sum(off_results[i].num_responses for i in plain)
-    tries = [sum(on_results[i].num_responses for i in plain)]
-    while tries[-1] >= off_responses and len(tries) < 3:  # whether steps wait is timing: the load once more
-        again = run_concurrently(on_server.grpc_url, jobs)
-        tries.append(sum(again[i].num_responses for i in plain))
+    on_responses = sum(on_results[i].num_responses for i in plain)
     print(f"responses for {sum(len(on_results[i].token_ids) for i in plain)} tokens: "
-          f"{tries} coalesced, {off_responses} not")
-    assert min(tries) < off_responses
+          f"{on_responses} coalesced, {off_responses} not")
+    # Whether steps wait for the responder is timing (in CI it sometimes never fell behind): never
+    # more responses with coalescing; that waiting steps do merge is asserted in
+    # tests/unit/test_response_coalescing.py.
+    assert on_responses <= off_responses
