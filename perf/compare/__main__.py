@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                                            mismatched=count_length_mismatches(completed),
                                            load=(load_before, os.getloadavg()[0]))
         result.server_cpu_s, result.client_cpu_s = cpu.server_seconds(), cpu.client_seconds()
+        result.cpu_s_by_process = cpu.seconds_by_role()
         result.token_responses = sum(len(r.token_times) for r in records)
         return result
 
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = SystemResult.from_metrics(name, compute_metrics(records, duration),
                                                    at.label, load=(load_before, os.getloadavg()[0]))
                 result.server_cpu_s = summary["cpu_s"]
+                result.cpu_s_by_process = {"engine (in-process)": summary["cpu_s"]}
                 note(result)
                 load_before = os.getloadavg()[0]
         elif system == "vllm":

@@ -37,6 +37,7 @@ class SystemResult:
     server_cpu_s: float | None = None  # CPU seconds of the server's processes (or of the in-process system)
     client_cpu_s: float | None = None  # CPU seconds of the load generator (served systems only)
     token_responses: int | None = None  # responses that carried tokens (served systems only)
+    cpu_s_by_process: dict[str, float] | None = None  # CPU seconds per process role (perf.compare.cpu_meter)
 
     @property
     def tokens_per_cpu_second(self) -> float | None:
@@ -136,6 +137,11 @@ def markdown_report(document: dict, results: list[SystemResult]) -> str:
             headline.append(f"- CPU ms per output token, {r.name}{at}: {1000 * total / r.output_tokens:.2f} "
                             f"(server {1000 * r.server_cpu_s / r.output_tokens:.2f})")
     for r in results:
+        if r.cpu_s_by_process and r.output_tokens:
+            at = f" ({r.arrival})" if sweep else ""
+            headline.append(f"- CPU ms per output token by process, {r.name}{at}: "
+                            f"{_by_process_text(per_token_by_process(r))}")
+    for r in results:
         if r.token_responses:
             at = f" ({r.arrival})" if sweep else ""
             headline.append(f"- responses, {r.name}{at}: {r.token_responses / max(1, r.num_requests):.1f} per request, "
@@ -145,6 +151,21 @@ def markdown_report(document: dict, results: list[SystemResult]) -> str:
         headline.append(f"- engine-core IPC per step ({system}): median {summary['median_us']:.0f} us "
                         f"over {summary['count']} steps")
     return "\n".join(lines + headline) + "\n"
+
+
+MIN_SHOWN_MS = 0.05  # processes that used less per output token (idle models' stubs) are left out
+
+
+def per_token_by_process(r: SystemResult) -> dict[str, float]:
+    """CPU ms per output token of each process role of ``r`` (empty when not measured)."""
+    if not r.cpu_s_by_process or not r.output_tokens:
+        return {}
+    return {role: 1000 * seconds / r.output_tokens for role, seconds in r.cpu_s_by_process.items()}
+
+
+def _by_process_text(per_token: dict[str, float]) -> str:
+    shown = sorted(((ms, role) for role, ms in per_token.items() if ms >= MIN_SHOWN_MS), reverse=True)
+    return ", ".join(f"{role} {ms:.2f}" for ms, role in shown) or "-"
 
 
 def _ratio_lines(results: list[SystemResult]) -> list[str]:
@@ -234,7 +255,8 @@ def medians_report(results: list[SystemResult]) -> str:
     rows = {group: (median([r.output_token_throughput for r in runs]), median([r.ttft_p50_ms for r in runs]),
                     median([r.itl_p50_ms for r in runs]), len(runs), median([r.itl_p99_ms for r in runs]),
                     median([cpu_ms_per_token(r) for r in runs]),
-                    median([r.output_tokens / r.token_responses if r.token_responses else None for r in runs]))
+                    median([r.output_tokens / r.token_responses if r.token_responses else None for r in runs]),
+                    _median_by_process(runs, median))
             for group, runs in by_system.items()}
     engines: dict[str, tuple] = {}  # arrival -> the first engine row there
     for (name, arrival), row in rows.items():
@@ -242,9 +264,9 @@ def medians_report(results: list[SystemResult]) -> str:
             engines.setdefault(arrival, row)
     lines = ["Medians over the runs (alternating systems):", "",
              "| system | runs | output tok/s | TTFT p50 | ITL p50 | ITL p99 | CPU ms per out tok | tokens per response "
-             "| tok/s / engine | TTFT p50 vs engine | ITL p50 vs engine |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for (name, arrival), (tps, ttft, itl, count, itl99, cpu_ms, per_response) in rows.items():
+             "| tok/s / engine | TTFT p50 vs engine | ITL p50 vs engine | CPU ms per out tok by process |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for (name, arrival), (tps, ttft, itl, count, itl99, cpu_ms, per_response, by_process) in rows.items():
         engine = engines.get(arrival, next(iter(engines.values()), None))
         ratio = f"{tps / engine[0]:.2f}x" if engine and engine[0] else "-"
         label = f"{name} ({arrival})" if sweep else name
@@ -252,8 +274,15 @@ def medians_report(results: list[SystemResult]) -> str:
         per_text = "-" if per_response is None else f"{per_response:.2f}"
         lines.append(f"| {label} | {count} | {tps:.1f} | {_ms(ttft)} | {_ms(itl)} | {_ms(itl99)} | {cpu_text} | {per_text} "
                      f"| {ratio} | {_relative(ttft, engine[1]) if engine else '-'} "
-                     f"| {_relative(itl, engine[2]) if engine else '-'} |")
+                     f"| {_relative(itl, engine[2]) if engine else '-'} | {_by_process_text(by_process)} |")
     return "\n".join(lines) + "\n"
+
+
+def _median_by_process(runs: list[SystemResult], median) -> dict[str, float]:
+    """Per process role, the median over ``runs`` of its CPU ms per output token."""
+    per_run = [per_token_by_process(r) for r in runs]
+    roles = {role for values in per_run for role in values}
+    return {role: median([values.get(role) for values in per_run]) for role in roles}
 
 
 def _runtime_text(document: dict) -> str:

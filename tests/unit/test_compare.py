@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -121,3 +122,42 @@ def test_cpu_meter_counts_a_busy_process_group_and_this_process():
         busy.wait()
     assert 0.2 <= meter.client_seconds() < 1.0  # this process spun 0.2 s and then slept
     assert 0.2 <= meter.server_seconds() <= 1.5  # the busy child ran (a share of) the 1.2 s window
+    by_role = meter.seconds_by_role()
+    assert by_role["client"] == meter.client_seconds()
+    assert sum(v for k, v in by_role.items() if k != "client") == pytest.approx(meter.server_seconds())
+
+
+def test_process_roles_name_tritons_processes_by_model():
+    """A Python-backend stub is named by its model instance argument, and our engine-core process
+    by the stub that started it (spawned here under the real programs' names and arguments)."""
+    from perf.compare.cpu_meter import process_role
+
+    core = (f"import subprocess, time; subprocess.Popen([{sys.executable!r}, '-c', 'import time; time.sleep(30)', "
+            "'backend.engine_core.core_process']); time.sleep(30)")
+    stub = subprocess.Popen(["bash", "-c", 'exec -a /opt/backends/python/triton_python_backend_stub "$0" "$@"',
+                             sys.executable, "-c", core, "/repo/llm/1/model.py", "shm_region", "1048576", "1048576",
+                             "4242", "/opt/backends/python", "336", "llm_iterative_0_0", "DEFAULT"],
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        children = []
+        while not children and time.monotonic() < deadline:
+            time.sleep(0.1)
+            children = Path(f"/proc/{stub.pid}/task/{stub.pid}/children").read_text().split()
+        assert process_role(stub.pid) == "stub llm_iterative"
+        assert process_role(int(children[0])) == "engine core llm_iterative"
+        assert process_role(os.getpid()) not in ("tritonserver", "stub llm_iterative")
+    finally:
+        os.killpg(stub.pid, 9)
+        stub.wait()
+
+
+def test_medians_table_has_cpu_ms_per_token_by_process():
+    from perf.compare.report import medians_report
+
+    runs = [_served(f"Triton llm (gRPC streaming) [run {k}]", 1000, 1.0) for k in (1, 2, 3)]
+    for run, core_s in zip(runs, (8.0, 9.0, 30.0), strict=True):
+        run.cpu_s_by_process = {"engine core llm": core_s, "stub llm": 2.0, "tritonserver": 1.0, "client": 0.5,
+                                "stub tokenizer": 0.0}
+    row = next(line for line in medians_report(runs).splitlines() if line.startswith("| Triton llm"))
+    assert row.endswith("| engine core llm 9.00, stub llm 2.00, tritonserver 1.00, client 0.50 |")
