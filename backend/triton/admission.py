@@ -19,7 +19,7 @@ from backend.engine.input_processor import EngineInputError, InputProcessor
 from backend.engine_core.admission import BusyError
 from backend.engine_core.engine_client import EngineClient
 from backend.engine_core.messages import AddRequest
-from backend.triton.helpers import input_getter, send_error
+from backend.triton.helpers import input_getter, requested_outputs, send_error
 from backend.triton.inputs import InputError, parse_request
 from backend.triton.response_state import ResponseState
 
@@ -67,7 +67,8 @@ class RequestAdmission:
         state = ResponseState(request_id, parsed.stream, parsed.exclude_input_in_output, prompt, arrival_time,
                               returns=parsed.returns, wants_logprobs=params.logprobs,
                               prompt_token_ids=prompt_token_ids, num_samples=params.n,
-                              stream_interval=parsed.stream_interval or self.stream_interval)
+                              stream_interval=parsed.stream_interval or self.stream_interval,
+                              requested_outputs=requested_outputs(request))
         try:
             self.engine.submit(AddRequest(request_id, prompt_token_ids, params, arrival_time),
                                on_accept=lambda: on_accept(state, sender))

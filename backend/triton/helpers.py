@@ -86,19 +86,37 @@ def send_error(pb, sender, message: str, code=None) -> None:
 
 
 def build_response(pb, text: str, token_ids: list[int], finish_reason: str = "",
-                   num_input_tokens: int | None = None, num_output_tokens: int | None = None, extra=()):
-    """One `llm` response: text_output, output_ids, finish_reason; the token counts when given."""
-    tensors = [
-        pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
-        pb.Tensor("output_ids", np.array([token_ids], dtype=np.int32).reshape(1, -1)),
-        pb.Tensor("finish_reason", np.array([[finish_reason.encode()]], dtype=np.object_)),
-    ]
-    if num_input_tokens is not None:
+                   num_input_tokens: int | None = None, num_output_tokens: int | None = None, extra=(),
+                   requested: frozenset[str] | None = None):
+    """One `llm` response: text_output, output_ids, finish_reason; the token counts when given;
+    then ``extra``. ``requested``: the outputs the client asked for (None: all); the others are
+    not built (Triton would drop them before the response leaves the stub anyway)."""
+
+    def wanted(name: str) -> bool:
+        return requested is None or name in requested
+
+    tensors = []
+    if wanted("text_output"):
+        tensors.append(pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)))
+    if wanted("output_ids"):
+        tensors.append(pb.Tensor("output_ids", np.array([token_ids], dtype=np.int32).reshape(1, -1)))
+    if wanted("finish_reason"):
+        tensors.append(pb.Tensor("finish_reason", np.array([[finish_reason.encode()]], dtype=np.object_)))
+    if num_input_tokens is not None and wanted("num_input_tokens"):
         tensors.append(pb.Tensor("num_input_tokens", np.array([[num_input_tokens]], dtype=np.int32)))
-    if num_output_tokens is not None:
+    if num_output_tokens is not None and wanted("num_output_tokens"):
         tensors.append(pb.Tensor("num_output_tokens", np.array([[num_output_tokens]], dtype=np.int32)))
     tensors.extend(extra)
     return pb.InferenceResponse(output_tensors=tensors)
+
+
+def requested_outputs(request) -> frozenset[str] | None:
+    """The output names a Triton request asked for; None when it named none (then all are sent)."""
+    names = getattr(request, "requested_output_names", None)
+    if names is None:
+        return None
+    asked = frozenset(names())
+    return asked or None
 
 
 def seconds_parameter(parameters: dict[str, str], name: str, default: float) -> float:

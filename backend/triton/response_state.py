@@ -50,6 +50,7 @@ class ResponseState:
     num_tokens_sent: int = 0  # output tokens sent so far (without n > 1)
     num_samples: int = 1  # n > 1: backend/triton/sequence_responses.py sends the responses
     samples: list = field(default_factory=list)  # with n > 1: one SampleState per sample
+    requested_outputs: frozenset[str] | None = None  # the outputs the client asked for (None: all)
 
     def __post_init__(self) -> None:
         if self.num_samples > 1:

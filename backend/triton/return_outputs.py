@@ -131,4 +131,5 @@ def delta_response(pb, state, part, outputs: list[RequestOutput], final: Request
     if state.wants_logprobs:
         tensors.extend(log_prob_tensors(pb, tokenizer, outputs, final, part.cumulative_logprob, returns))
     tensors.extend(extra)
-    return build_response(pb, text, token_ids, finish_reason_text(returns, final), num_input, num_output, tensors)
+    return build_response(pb, text, token_ids, finish_reason_text(returns, final), num_input, num_output, tensors,
+                          state.requested_outputs)

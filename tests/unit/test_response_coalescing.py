@@ -242,3 +242,63 @@ def test_config_stream_interval_must_count_something():
     for bad in ("0", "-2", "two", "1.5"):
         with pytest.raises(ConfigError, match="parameter 'stream_interval'"):
             positive_int_parameter({"stream_interval": bad}, "stream_interval", 1)
+
+
+def test_cancellation_polls_ask_a_bounded_number_of_requests_oldest_first():
+    """Each is_cancelled() is a round trip to tritonserver: one poll asks at most
+    MAX_CANCEL_CHECKS_PER_POLL requests, and every request is asked within ceil(n / max) polls."""
+    from backend.triton.responder import MAX_CANCEL_CHECKS_PER_POLL
+
+    class CountingSender(FakeSender):
+        def __init__(self):
+            super().__init__()
+            self.asked = 0
+
+        def is_cancelled(self):
+            self.asked += 1
+            return self.cancelled
+
+    engine = FakeEngine()
+    responder = Responder(make_pb(), engine, None)
+    num_requests = 2 * MAX_CANCEL_CHECKS_PER_POLL + 3
+    senders = {f"r{i}": CountingSender() for i in range(num_requests)}
+    for request_id, sender in senders.items():
+        responder.register(ActiveRequest(state(request_id), sender))
+    senders["r5"].cancelled = True
+    polls = math.ceil(num_requests / MAX_CANCEL_CHECKS_PER_POLL)
+    for poll in range(polls):
+        before = sum(s.asked for s in senders.values())
+        responder._poll_cancellations()
+        asked = sum(s.asked for s in senders.values()) - before
+        assert asked <= MAX_CANCEL_CHECKS_PER_POLL
+        if poll < polls - 1:
+            assert max(s.asked for s in senders.values()) == 1  # nobody twice while others wait
+        time.sleep(0.002)  # distinct check times
+    assert all(s.asked >= 1 for s in senders.values())  # everyone was asked within ceil(n / max) polls
+    assert engine.aborted == ["r5"]
+
+
+def test_only_the_requested_outputs_are_built():
+    pb = make_pb()
+    asked = ResponseState("r", stream=True, exclude_input_in_output=True, prompt="p", arrival_time=0.0,
+                          requested_outputs=frozenset({"text_output"}))
+    everything = state("r2")
+    for s in (asked, everything):
+        s.collect(token(s.request_id, 7, 1, finished=True), 1.0, None)
+    sent_asked, sent_all = FakeSender(), FakeSender()
+    asked.flush(pb, sent_asked)
+    everything.flush(pb, sent_all)
+    assert set(sent_asked.sent[0][0].tensors) == {"text_output"}
+    assert {"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"} <= set(
+        sent_all.sent[0][0].tensors)
+    assert sent_asked.sent[0][0].tensors["text_output"][0][0] == sent_all.sent[0][0].tensors["text_output"][0][0]
+
+
+def test_admission_reads_the_requested_output_names():
+    from types import SimpleNamespace
+
+    from backend.triton.helpers import requested_outputs
+
+    assert requested_outputs(SimpleNamespace(requested_output_names=lambda: ["text_output"])) == {"text_output"}
+    assert requested_outputs(SimpleNamespace(requested_output_names=lambda: [])) is None  # none named: all
+    assert requested_outputs(SimpleNamespace()) is None
