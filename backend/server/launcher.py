@@ -315,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restart", choices=("always", "never"), default="always",
                         help="start tritonserver again when it exits on its own after it was ready (default always)")
     parser.add_argument("--max-restarts", type=int, default=10, help="give up after this many restarts (default 10)")
+    parser.add_argument("--openai-port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)),
+                        help="port of the OpenAI-compatible API (openai_front; default 9000, env OPENAI_PORT)")
+    parser.add_argument("--no-openai", action="store_true", help="serve Triton's endpoints only")
     args = parser.parse_args(argv)
 
     stopping = False
@@ -325,10 +328,25 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    front = None
+    if not args.no_openai:
+        from backend.server.openai_process import OpenAIFront  # noqa: PLC0415
+
+        front = OpenAIFront(args.grpc_port, args.openai_port, max_restarts=args.max_restarts)
+        front.start()
+    try:
+        return _serve(args, extra, lambda: stopping, front)
+    finally:
+        if front is not None:
+            front.stop()
+
+
+def _serve(args, extra: list[str], stopping, front) -> int:
+    """tritonserver, started again by the restart rules (main's docstring) until ``stopping()``."""
     restarts = 0
     while True:
-        code, was_ready, ran_for = serve_once(args, extra, lambda: stopping)
-        if stopping:
+        code, was_ready, ran_for = serve_once(args, extra, stopping, front)
+        if stopping():
             return 0
         if args.restart == "never" or not was_ready or restarts >= args.max_restarts:
             if was_ready and args.restart == "always":
@@ -344,9 +362,10 @@ def main(argv: list[str] | None = None) -> int:
 RESTART_DELAY_SECONDS = 1.0
 
 
-def serve_once(args, extra: list[str], stopping) -> tuple[int | None, bool, float]:
+def serve_once(args, extra: list[str], stopping, front=None) -> tuple[int | None, bool, float]:
     """Runs one tritonserver until it exits or ``stopping()``; returns (its exit code, whether it
-    was ever ready, seconds it ran). Its whole process group is gone on return."""
+    was ever ready, seconds it ran). Its whole process group is gone on return. ``front``: the
+    OpenAI front (backend/server/openai_process.py), started again here if it exits."""
     started = time.monotonic()
     server = start_server(
         args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
@@ -361,7 +380,11 @@ def serve_once(args, extra: list[str], stopping) -> tuple[int | None, bool, floa
                     f"metrics {server.metrics_url} (Ctrl-C stops it)",
                     flush=True,
                 )
+                if front is not None:
+                    print(f"OpenAI-compatible API: {front.url} (chat/completions, completions, models)", flush=True)
                 was_ready = True
+            if front is not None:
+                front.check()
             time.sleep(0.5)
     finally:
         code = server.stop()

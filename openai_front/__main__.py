@@ -1,0 +1,51 @@
+"""``python -m openai_front --triton-url HOST:PORT --model llm [--port 9000]``: the front alone.
+
+``make serve`` starts it beside tritonserver (backend/server/launcher.py); run it by hand to put
+it in front of a tritonserver started elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from openai_front.app import FrontSettings, create_app
+from openai_front.protocol import Limits
+
+DEFAULT_PORT = 9000  # the port of Triton's own OpenAI-compatible frontend
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m openai_front", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--triton-url", default="localhost:8001", help="tritonserver's gRPC address")
+    parser.add_argument("--model", default="llm", help="the Triton model, and the name clients send")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--max-concurrent", type=int, default=256, help="generations in flight; beyond: 503")
+    parser.add_argument("--max-n", type=int, default=8, help="the largest n a request may ask for")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="the largest max_tokens a request may ask for")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--idle-timeout", type=float, default=300.0,
+                        help="seconds of silence from Triton after which a generation fails (504)")
+    parser.add_argument("--keep-alive-timeout", type=float, default=5.0, help="idle HTTP keep-alive seconds")
+    parser.add_argument("--log-level", default="warning")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    args = build_parser().parse_args(argv)
+    for name in ("max_concurrent", "max_n", "max_tokens", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')}: must be >= 1", file=sys.stderr)
+            return 2
+    settings = FrontSettings(args.triton_url, args.model, Limits(args.max_n, args.max_tokens), args.max_concurrent,
+                             args.max_body_bytes, args.idle_timeout)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_keep_alive=args.keep_alive_timeout, access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

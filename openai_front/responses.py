@@ -1,0 +1,151 @@
+"""The JSON the front answers with, in the shapes OpenAI's API (and vLLM's server) return.
+
+Chat: ``chat.completion`` with ``message``, streamed as ``chat.completion.chunk`` with ``delta``
+(the first chunk of each choice carries the role); completions: ``text_completion`` both ways.
+Logprobs come from the `llm` model's vLLM-style entries (one object per token, the chosen token
+first, then the request's top tokens) and are turned into OpenAI's chat form
+(``content: [{token, logprob, bytes, top_logprobs}]``) or completions form (``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+SYSTEM_FINGERPRINT = "triton-llm-serving"
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice as it builds up."""
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[dict] = field(default_factory=list)  # the `llm` model's entries, in order
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _token_entry(entry: dict, top: int) -> tuple[str, float, list[tuple[str, float]]]:
+    """(chosen token's text, its logprob, the top tokens (text, logprob) best first)."""
+    items = list(entry.values())
+    chosen = items[0]
+    ranked = sorted(items, key=lambda v: -v["logprob"])[:top]
+    return chosen["decoded_token"], chosen["logprob"], [(v["decoded_token"], v["logprob"]) for v in ranked]
+
+
+def chat_logprobs(entries: list[dict], top: int) -> dict:
+    content = []
+    for entry in entries:
+        token, logprob, tops = _token_entry(entry, top)
+        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
+                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                                         for t, lp in tops]})
+    return {"content": content}
+
+
+def completion_logprobs(entries: list[dict], top: int, offset: int = 0) -> dict:
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in entries:
+        token, logprob, tops = _token_entry(entry, top)
+        tokens.append(token)
+        token_logprobs.append(logprob)
+        top_logprobs.append(dict(tops))
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _header(request_id: str, chat: bool, model: str, created: int, chunk: bool) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    return {"id": request_id, "object": kind, "created": created, "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT}
+
+
+def full_response(request_id: str, chat: bool, model: str, choices: list[Choice], usage: Usage,
+                  top_logprobs: int | None) -> dict:
+    body = _header(request_id, chat, model, int(time.time()), False)
+    rendered = []
+    for choice in sorted(choices, key=lambda c: c.index):
+        logprobs = None
+        if top_logprobs is not None:
+            logprobs = chat_logprobs(choice.logprobs, top_logprobs) if chat else completion_logprobs(
+                choice.logprobs, top_logprobs)
+        if chat:
+            rendered.append({"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                             "logprobs": logprobs, "finish_reason": choice.finish_reason})
+        else:
+            rendered.append({"index": choice.index, "text": choice.text, "logprobs": logprobs,
+                             "finish_reason": choice.finish_reason})
+    body["choices"] = rendered
+    body["usage"] = usage.body()
+    return body
+
+
+class ChunkWriter:
+    """The SSE lines of one streamed answer."""
+
+    def __init__(self, request_id: str, chat: bool, model: str, top_logprobs: int | None):
+        self.request_id, self.chat, self.model = request_id, chat, model
+        self.top_logprobs = top_logprobs
+        self.created = int(time.time())
+        self._started: set[int] = set()
+        self._offsets: dict[int, int] = {}
+
+    @staticmethod
+    def event(body: dict) -> str:
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        body = _header(self.request_id, self.chat, self.model, self.created, True)
+        body["choices"] = choices
+        if usage is not None:
+            body["usage"] = usage
+        return self.event(body)
+
+    def delta(self, index: int, text: str, finish_reason: str | None, entries: list[dict]) -> str:
+        logprobs = None
+        if self.top_logprobs is not None:
+            if self.chat:
+                logprobs = chat_logprobs(entries, self.top_logprobs)
+            else:
+                logprobs = completion_logprobs(entries, self.top_logprobs, self._offsets.get(index, 0))
+        self._offsets[index] = self._offsets.get(index, 0) + len(text)
+        if not self.chat:
+            return self._chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
+        lines = ""
+        if index not in self._started:  # vLLM's first chunk of a choice: the role, empty content
+            self._started.add(index)
+            lines += self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}])
+        delta = {"content": text} if text or finish_reason is None else {}
+        return lines + self._chunk([{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish_reason}])
+
+    def usage(self, usage: Usage) -> str:
+        return self._chunk([], usage.body())
+
+    @staticmethod
+    def error(body: dict) -> str:
+        return ChunkWriter.event(body)
+
+    @staticmethod
+    def done() -> str:
+        return "data: [DONE]\n\n"

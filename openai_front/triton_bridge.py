@@ -1,0 +1,161 @@
+"""The front's one connection to tritonserver: `llm` generations over gRPC streams, readiness, tokenizer.
+
+Each generation is its own bidirectional gRPC stream (tritonclient.grpc.aio) with one request,
+always streamed from Triton (``stream`` true; the front gathers the pieces for a non-streaming
+answer), with the vLLM backend's ``return_*`` flags so every response carries its finish reason
+and token counts, and empty final responses enabled so the end of the request is seen even when
+the last response carried nothing. Only the outputs the front reads are requested. Leaving the
+iterator early (a client that went away) cancels the gRPC call, which Triton passes to the model
+as a cancellation: the engine aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient_aio
+from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from openai_front.errors import ApiError, from_triton
+
+BASE_OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
+
+
+@dataclass(slots=True)
+class Piece:
+    """What one Triton response brought for one sample of a generation."""
+
+    index: int  # the sample (sequence_index; 0 with n = 1)
+    text: str
+    num_output_tokens: int  # tokens of this response
+    num_input_tokens: int | None
+    finish_reason: str | None  # "stop" / "length" / "abort" on the sample's last piece, else None
+    logprobs: list[dict] = field(default_factory=list)  # per token: {"<id>": {"logprob", "rank", "decoded_token"}}
+
+
+def _tensor(name: str, array: np.ndarray) -> InferInput:
+    tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _text(value: str) -> np.ndarray:
+    return np.array([[value.encode("utf-8")]], dtype=np.object_)
+
+
+def generation_inputs(prompt: str | None, messages: list | None, sampling: dict, echo: bool,
+                      logprobs: bool) -> list[InferInput]:
+    inputs = [_tensor("text_input", _text(prompt)) if messages is None else
+              _tensor("messages", _text(json.dumps(messages)))]
+    inputs += [_tensor("stream", np.array([[True]])), _tensor("exclude_input_in_output", np.array([[not echo]])),
+               _tensor("sampling_parameters", _text(json.dumps(sampling)))]
+    for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
+        inputs.append(_tensor(flag, np.array([[True]])))
+    if logprobs:
+        inputs.append(_tensor("return_logprobs", np.array([[True]])))
+    return inputs
+
+
+def _pieces(result) -> list[Piece]:
+    """The pieces of one response (one per sample it carries; none for an empty final response)."""
+    raw = result.get_response()
+    names = {output.name for output in raw.outputs}
+    if "text_output" not in names:
+        return []
+    texts = [t.decode("utf-8") for t in result.as_numpy("text_output").reshape(-1)]
+    column = len(texts)
+
+    def values(name, default):
+        if name not in names:
+            return [default] * column
+        return result.as_numpy(name).reshape(-1).tolist()
+
+    reasons = [r.decode() if isinstance(r, bytes) else r for r in values("finish_reason", b"None")]
+    counts = values("num_output_tokens", 0)
+    inputs = values("num_input_tokens", None)
+    indexes = values("sequence_index", 0)
+    logprobs = [json.loads(t) if t else [] for t in values("logprobs", b"[]")]
+    return [Piece(int(indexes[i]), texts[i], int(counts[i]), None if inputs[0] is None else int(inputs[0]),
+                  None if reasons[i] in ("None", "") else reasons[i], logprobs[i] or [])
+            for i in range(column)]
+
+
+class TritonBridge:
+    def __init__(self, url: str, model: str, tokenizer_model: str = "tokenizer"):
+        self.url = url
+        self.model = model
+        self.tokenizer_model = tokenizer_model
+        self.client = grpcclient_aio.InferenceServerClient(url)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.client.is_model_ready(self.model))
+        except InferenceServerException:
+            return False
+
+    async def max_model_len(self) -> int | None:
+        """config.pbtxt's max_model_len of the model (None when it does not say)."""
+        try:
+            config = await self.client.get_model_config(self.model, as_json=True)
+        except InferenceServerException:
+            return None
+        value = config.get("config", {}).get("parameters", {}).get("max_model_len", {}).get("string_value")
+        return int(value) if value and value.isdigit() else None
+
+    async def generate(self, prompt: str | None, messages: list | None, sampling: dict, echo: bool = False,
+                       logprobs: bool = False, request_id: str = "") -> AsyncIterator[Piece]:
+        """The pieces of one generation as Triton sends them; ApiError when Triton refuses it.
+        Closing the iterator before the end cancels the request in Triton."""
+        names = [*BASE_OUTPUTS, *(("sequence_index",) if sampling.get("n", 1) > 1 else ()),
+                 *(("logprobs",) if logprobs else ())]
+        request = {"model_name": self.model, "inputs": generation_inputs(prompt, messages, sampling, echo, logprobs),
+                   "outputs": [InferRequestedOutput(name) for name in names], "request_id": request_id,
+                   "parameters": {"triton_enable_empty_final_response": True}}
+
+        async def requests():
+            yield request
+
+        responses = self.client.stream_infer(requests())
+        finished = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    finished = True
+                    raise from_triton(str(error.message()))
+                for piece in _pieces(result):
+                    yield piece
+                final = result.get_response().parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    finished = True
+                    return
+        except InferenceServerException as exc:
+            finished = True
+            raise ApiError(503, f"tritonserver at {self.url}: {exc.message()}", None, "service_unavailable") from None
+        finally:
+            if not finished:
+                responses.cancel()
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        inputs = [_tensor("text_input", _text(text)),
+                  _tensor("add_special_tokens", np.array([[add_special_tokens]]))]
+        result = await self._infer_tokenizer(inputs, "output_ids")
+        return result.as_numpy("output_ids").reshape(-1).tolist()
+
+    async def detokenize(self, ids: list[int]) -> str:
+        inputs = [_tensor("input_ids", np.array([ids], dtype=np.int32).reshape(1, -1))]
+        result = await self._infer_tokenizer(inputs, "text_output")
+        return result.as_numpy("text_output").reshape(-1)[0].decode("utf-8")
+
+    async def _infer_tokenizer(self, inputs, output: str):
+        try:
+            return await self.client.infer(self.tokenizer_model, inputs,
+                                           outputs=[InferRequestedOutput(output)])
+        except InferenceServerException as exc:
+            raise from_triton(str(exc.message())) from None

@@ -1,0 +1,275 @@
+"""The OpenAI-compatible front (openai_front) against a real tritonserver, through the official `openai` SDK.
+
+The front runs as `make serve` runs it (its own process, `python -m openai_front`) in front of
+tritonserver on the served repository (SmolLM2-135M-Instruct: the chat tests need its chat
+template). Greedy answers are compared with the same request over
+Triton's gRPC stream (client.stream), and usage with the token counts Triton reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import httpx2 as httpx
+import jsonschema
+import openai
+import pytest
+
+from backend.paths import REPO_ROOT
+from backend.server.launcher import free_port, start_server
+from client.stream import StreamingClient
+
+pytestmark = pytest.mark.integration
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
+
+
+def start_front(grpc_url: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "openai_front", "--triton-url", grpc_url, "--host", "127.0.0.1",
+                                "--port", str(port), *extra], start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the front exited while starting"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return process, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise AssertionError("the front did not become healthy in 60 s")
+
+
+def stop_front(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def real_server():
+    from backend.models.smollm2_model import build
+
+    build()  # made by make setup; a no-op then
+    server = start_server(REPO_ROOT / "model_repository", ready_timeout=300)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def front(real_server):
+    process, base = start_front(real_server.grpc_url)
+    try:
+        yield base
+    finally:
+        stop_front(process)
+
+
+@pytest.fixture(scope="module")
+def sdk(front):
+    return openai.OpenAI(base_url=f"{front}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def triton_metric(metrics_url: str, name: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name) and 'model="llm"' in line]
+    return sum(values)
+
+
+def test_the_readme_question_is_answered(sdk):
+    answer = sdk.chat.completions.create(model="llm", messages=[{"role": "user",
+                                                                 "content": "What is the capital of France?"}])
+    assert "Paris" in answer.choices[0].message.content
+
+
+def test_models_health_and_tokenize(front, sdk):
+    assert [m.id for m in sdk.models.list().data] == ["llm"]
+    assert httpx.get(f"{front}/health").status_code == 200
+    tokens = httpx.post(f"{front}/tokenize", json={"model": "llm", "prompt": "hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = httpx.post(f"{front}/detokenize", json={"model": "llm", "tokens": tokens["tokens"]}).json()["prompt"]
+    assert "hello world" in text
+
+
+def test_chat_greedy_equals_grpc_and_usage_equals_tritons_counts(sdk, real_server):
+    answer = sdk.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    with StreamingClient(real_server.grpc_url) as client:
+        direct = client.generate(None, messages=MESSAGES, max_tokens=12, temperature=0.0, ignore_eos=True,
+                                 stream=True)
+    assert direct.error is None
+    assert answer.choices[0].message.content == direct.text
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == len(direct.token_ids) == 12
+    assert answer.usage.prompt_tokens == direct.num_input_tokens
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + 12
+    assert answer.object == "chat.completion" and answer.system_fingerprint
+
+
+def test_streamed_chat_and_completion_equal_the_non_streamed_ones(sdk):
+    whole = sdk.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=10, temperature=0)
+    chunks = list(sdk.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+    text = sdk.completions.create(model="llm", prompt="Once upon a time", max_tokens=10, temperature=0)
+    streamed = list(sdk.completions.create(model="llm", prompt="Once upon a time", max_tokens=10, temperature=0,
+                                           stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
+    assert text.object == "text_completion" and text.usage.completion_tokens > 0
+
+
+def test_n_seed_stop_echo_and_logprobs(sdk):
+    sampled = {"model": "llm", "messages": MESSAGES, "max_tokens": 8, "n": 2, "temperature": 1.0, "seed": 7,
+               "extra_body": {"ignore_eos": True}}
+    two = sdk.chat.completions.create(**sampled)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert two.usage.completion_tokens == 16  # both samples' tokens
+    again = sdk.chat.completions.create(**sampled)
+    assert [c.message.content for c in two.choices] == [c.message.content for c in again.choices]
+
+    free = sdk.completions.create(model="llm", prompt="a b c", max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    stop = free.choices[0].text[3:6]
+    assert stop.strip(), f"no stop string to pick from {free.choices[0].text!r}"
+    stopped = sdk.completions.create(model="llm", prompt="a b c", max_tokens=16, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stop not in stopped.choices[0].text and free.choices[0].text.startswith(stopped.choices[0].text)
+
+    echoed = sdk.completions.create(model="llm", prompt="a b c", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("a b c")
+
+    chat = sdk.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and "".join(t.token for t in content) == chat.choices[0].message.content
+    for token in content:
+        assert token.logprob <= 0 and len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        assert token.logprob <= token.top_logprobs[0].logprob + 1e-5  # greedy: the chosen token is the best
+    completion = sdk.completions.create(model="llm", prompt="a b c", max_tokens=4, temperature=0, logprobs=1,
+                                        extra_body={"ignore_eos": True})
+    assert len(completion.choices[0].logprobs.token_logprobs) == 4
+
+
+def test_json_schema_response_format_parses_and_validates(sdk):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    answer = sdk.chat.completions.create(
+        model="llm", messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    value = json.loads(answer.choices[0].message.content)
+    jsonschema.validate(value, schema)
+
+
+BAD_REQUESTS = [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"best_of": 3}, "best_of"),
+    ({"n": 1000}, "n"),
+    ({"max_tokens": "ten"}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"model": "gpt-4"}, "model"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "x " * 9000}]}, "messages"),  # over max_model_len
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"stop": [1, 2]}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), BAD_REQUESTS, ids=[p for _, p in BAD_REQUESTS])
+def test_a_bad_field_is_a_400_naming_it_and_the_next_request_is_served(front, change, param):
+    body = {"model": "llm", "messages": MESSAGES, "max_tokens": 4, **change}
+    response = httpx.post(f"{front}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+    good = httpx.post(f"{front}/v1/chat/completions", json={"model": "llm", "messages": MESSAGES, "max_tokens": 2},
+                      timeout=60)
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+def test_malformed_json_and_oversized_bodies_are_refused(front):
+    response = httpx.post(f"{front}/v1/completions", content=b"{not json", timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    huge = httpx.post(f"{front}/v1/completions", json={"model": "llm", "prompt": "x" * (2 << 20)}, timeout=30)
+    assert huge.status_code == 413
+
+
+def test_64_concurrent_streams_all_complete(front):
+    async def one(client: openai.AsyncOpenAI, i: int) -> int:
+        stream = await client.completions.create(model="llm", prompt=f"request {i}", max_tokens=6, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{front}/v1", api_key="unused", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+        finally:
+            await client.close()
+
+    assert asyncio.run(run()) == [6] * 64
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_kv_within_a_second(front, real_server):
+    body = {"model": "llm", "prompt": "keep going", "max_tokens": 2000, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    baseline = triton_metric(real_server.metrics_url, "llm_kv_cache_usage_ratio")
+    with httpx.stream("POST", f"{front}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+        assert all(line.startswith("data: ") or not line for line in received)
+        assert triton_metric(real_server.metrics_url, "llm_num_requests_running") >= 1
+        assert triton_metric(real_server.metrics_url, "llm_kv_cache_usage_ratio") > baseline
+        left = time.monotonic()
+    deadline = left + 1.0
+    while time.monotonic() < deadline and triton_metric(real_server.metrics_url, "llm_kv_cache_usage_ratio") > baseline:
+        time.sleep(0.05)
+    assert triton_metric(real_server.metrics_url, "llm_kv_cache_usage_ratio") <= baseline, "KV still held 1 s later"
+    assert triton_metric(real_server.metrics_url, "llm_num_requests_running") == 0
+
+
+def test_health_follows_the_models_readiness_across_unload_and_load(make_server):
+    import tritonclient.http as httpclient
+
+    server = make_server(extra_args=["--model-control-mode=explicit", "--load-model=llm",
+                                     "--load-model=tokenizer"], models=("llm", "tokenizer"))
+    process, base = start_front(server.grpc_url)
+    admin = httpclient.InferenceServerClient(server.http_url)
+    try:
+        admin.unload_model("llm")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and httpx.get(f"{base}/health").status_code != 503:
+            time.sleep(0.2)
+        assert httpx.get(f"{base}/health").status_code == 503
+        admin.load_model("llm")
+        assert httpx.get(f"{base}/health").status_code == 200
+        answer = httpx.post(f"{base}/v1/completions", json={"model": "llm", "prompt": "back", "max_tokens": 2},
+                            timeout=60)
+        assert answer.status_code == 200
+    finally:
+        admin.close()
+        stop_front(process)
