@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_openai:
         from backend.server.openai_process import OpenAIFront  # noqa: PLC0415
 
-        front = OpenAIFront(args.grpc_port, args.openai_port, max_restarts=args.max_restarts)
+        host = "127.0.0.1" if os.environ.get("TRITON_BIND_ALL") is None else "0.0.0.0"  # as tritonserver's
+        front = OpenAIFront(args.grpc_port, args.openai_port, host=host, max_restarts=args.max_restarts)
         front.start()
     try:
         return _serve(args, extra, lambda: stopping, front)

@@ -15,7 +15,7 @@ RESTART_DELAY_SECONDS = 1.0
 
 
 class OpenAIFront:
-    def __init__(self, grpc_port: int, port: int, model: str = "llm", host: str = "0.0.0.0",
+    def __init__(self, grpc_port: int, port: int, model: str = "llm", host: str = "127.0.0.1",
                  max_restarts: int = 10):
         self.command = [sys.executable, "-m", "openai_front", "--triton-url", f"127.0.0.1:{grpc_port}",
                         "--model", model, "--host", host, "--port", str(port)]

@@ -124,6 +124,22 @@ def test_the_openai_profile_runs_tritons_frontend_over_the_same_repository(servi
     assert openai["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
 
 
+def test_openai_front_serves_our_api_over_tritons_grpc_port_beside_tritons_frontend(services):
+    front = services["openai-front"]
+    assert "profiles" not in front  # starts with `docker compose up`
+    assert any(p.endswith(":9000") for p in front["ports"])
+    assert not any(p.split(":")[-2].endswith("9000") for p in services["openai"]["ports"])  # side by side
+    command = command_text(front)
+    assert "python3 -m openai_front --triton-url triton:8001 --model llm --port 9000" in command
+    assert "requirements-front.txt" in command and "localhost:9000/health" in " ".join(front["healthcheck"]["test"])
+    assert front["depends_on"]["triton"]["condition"] == "service_healthy"
+    assert mounts(front)["/workspace"] == (".", "ro")
+    pins = [line.split("#")[0].strip() for line in (REPO_ROOT / "deploy/requirements-front.txt").read_text().splitlines()]
+    project = (REPO_ROOT / "pyproject.toml").read_text()
+    for pin in filter(None, pins):
+        assert pin.replace("[grpc]", "") in project.replace("[grpc,http]", ""), f"{pin} differs from pyproject.toml"
+
+
 def _normalize(path: PurePosixPath) -> list[str]:
     parts: list[str] = []
     for part in path.parts:
