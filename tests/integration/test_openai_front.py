@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 
 import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
 
-from backend.paths import REPO_ROOT
-from backend.server.launcher import free_port, start_server
+from backend.server.launcher import free_port
 from client.stream import StreamingClient
 
 pytestmark = pytest.mark.integration
@@ -55,25 +57,53 @@ def stop_front(process: subprocess.Popen) -> None:
         process.wait()
 
 
+@dataclass(frozen=True)
+class Served:
+    front: str  # http://127.0.0.1:PORT
+    grpc_url: str
+    metrics_url: str
+
+
 @pytest.fixture(scope="module")
-def real_server():
+def served():
+    """`make serve` as it runs: the launcher starts tritonserver on the served repository and the
+    front beside it; SIGINT (Ctrl-C) must stop both."""
     from backend.models.smollm2_model import build
 
     build()  # made by make setup; a no-op then
-    server = start_server(REPO_ROOT / "model_repository", ready_timeout=300)
+    http, grpc, metrics, openai_port = (free_port() for _ in range(4))
+    launcher = subprocess.Popen([sys.executable, "-m", "backend.server.launcher", "--http-port", str(http),
+                                 "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port",
+                                 str(openai_port)], stdout=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{openai_port}"
     try:
-        yield server
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert launcher.poll() is None, "make serve's launcher exited while starting"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the front of make serve was not healthy in 300 s")
+        yield Served(base, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics")
     finally:
-        server.stop()
+        launcher.send_signal(signal.SIGINT)
+        try:
+            code = launcher.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            raise
+        assert code == 0
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{base}/health", timeout=2)  # the front stopped with it
 
 
 @pytest.fixture(scope="module")
-def front(real_server):
-    process, base = start_front(real_server.grpc_url)
-    try:
-        yield base
-    finally:
-        stop_front(process)
+def front(served):
+    return served.front
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +133,10 @@ def test_models_health_and_tokenize(front, sdk):
     assert "hello world" in text
 
 
-def test_chat_greedy_equals_grpc_and_usage_equals_tritons_counts(sdk, real_server):
+def test_chat_greedy_equals_grpc_and_usage_equals_tritons_counts(sdk, served):
     answer = sdk.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=12, temperature=0,
                                          extra_body={"ignore_eos": True})
-    with StreamingClient(real_server.grpc_url) as client:
+    with StreamingClient(served.grpc_url) as client:
         direct = client.generate(None, messages=MESSAGES, max_tokens=12, temperature=0.0, ignore_eos=True,
                                  stream=True)
     assert direct.error is None
@@ -234,22 +264,22 @@ def test_64_concurrent_streams_all_complete(front):
     assert asyncio.run(run()) == [6] * 64
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_kv_within_a_second(front, real_server):
+def test_a_client_that_disconnects_mid_stream_frees_its_kv_within_a_second(front, served):
     body = {"model": "llm", "prompt": "keep going", "max_tokens": 2000, "stream": True, "ignore_eos": True,
             "temperature": 0}
-    baseline = triton_metric(real_server.metrics_url, "llm_kv_cache_usage_ratio")
+    baseline = triton_metric(served.metrics_url, "llm_kv_cache_usage_ratio")
     with httpx.stream("POST", f"{front}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(6)]
         assert all(line.startswith("data: ") or not line for line in received)
-        assert triton_metric(real_server.metrics_url, "llm_num_requests_running") >= 1
-        assert triton_metric(real_server.metrics_url, "llm_kv_cache_usage_ratio") > baseline
+        assert triton_metric(served.metrics_url, "llm_num_requests_running") >= 1
+        assert triton_metric(served.metrics_url, "llm_kv_cache_usage_ratio") > baseline
         left = time.monotonic()
     deadline = left + 1.0
-    while time.monotonic() < deadline and triton_metric(real_server.metrics_url, "llm_kv_cache_usage_ratio") > baseline:
+    while time.monotonic() < deadline and triton_metric(served.metrics_url, "llm_kv_cache_usage_ratio") > baseline:
         time.sleep(0.05)
-    assert triton_metric(real_server.metrics_url, "llm_kv_cache_usage_ratio") <= baseline, "KV still held 1 s later"
-    assert triton_metric(real_server.metrics_url, "llm_num_requests_running") == 0
+    assert triton_metric(served.metrics_url, "llm_kv_cache_usage_ratio") <= baseline, "KV still held 1 s later"
+    assert triton_metric(served.metrics_url, "llm_num_requests_running") == 0
 
 
 def test_health_follows_the_models_readiness_across_unload_and_load(make_server):
