@@ -136,7 +136,15 @@ def _read_response(result: StreamResult, response, now: float) -> None:
     if "num_input_tokens" in names:
         result.num_input_tokens = int(response.as_numpy("num_input_tokens").reshape(-1)[0])
     if "num_output_tokens" in names:
-        result.num_output_tokens = int(response.as_numpy("num_output_tokens").reshape(-1)[0])
+        count = int(response.as_numpy("num_output_tokens").reshape(-1)[0])
+        if "output_ids" in names:
+            result.num_output_tokens = count
+        else:  # Triton's vLLM backend (return_num_output_tokens): no ids, each response counts its own tokens
+            result.num_output_tokens = (result.num_output_tokens or 0) + count
+            if count:
+                result.token_times.append(now)
+                if result.first_token_time is None:
+                    result.first_token_time = now
     extras = {}
     for name in ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob", "logprobs"):
         if name in names:

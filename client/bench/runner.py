@@ -79,8 +79,9 @@ class _User:
 
         def on_response(_rid, result) -> None:
             nonlocal seen_tokens
-            progress.add_tokens(len(result.token_ids) - seen_tokens)
-            seen_tokens = len(result.token_ids)
+            count = len(result.token_ids) or (result.num_output_tokens or 0)  # or vllm_backend's counts
+            progress.add_tokens(count - seen_tokens)
+            seen_tokens = count
 
         inputs = {"max_tokens": item.max_tokens, "stream": True,
                   **({"ignore_eos": True} if item.inputs is None else item.inputs)}
