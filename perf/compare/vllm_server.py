@@ -81,6 +81,17 @@ def setup_environment(setup: str, kv_cache_gib: int, venv: Path = DEFAULT_VLLM_V
     return env
 
 
+def offline_environment(python: Path) -> dict[str, str]:
+    """What every vLLM process here runs with (the API server, and vLLM inside tritonserver for
+    perf.compare.vllm_backend): offline (no hub, no usage stats), loopback, caches under .cache/vllm,
+    and ``python``'s bin first on PATH."""
+    cache = REPO_ROOT / ".cache" / "vllm"
+    return {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CACHE_ROOT": str(cache),
+            "HF_HOME": str(cache / "hf"), "XDG_CACHE_HOME": str(cache / "xdg"),
+            "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
 def start_vllm(model_dir: str, setup: str = "default", dtype: str = "float32", max_model_len: int = 2048,
                max_num_seqs: int = 64, kv_cache_gib: int = 2, venv: Path = DEFAULT_VLLM_VENV,
                log_dir: Path | None = None, ready_timeout_s: float = 600.0) -> VllmServer:
@@ -91,11 +102,7 @@ def start_vllm(model_dir: str, setup: str = "default", dtype: str = "float32", m
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{setup}-{port}.log"
     ours = setup_environment(setup, kv_cache_gib, venv)
-    cache = REPO_ROOT / ".cache" / "vllm"
-    env = {**os.environ, **ours, "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CACHE_ROOT": str(cache),
-           "HF_HOME": str(cache / "hf"), "XDG_CACHE_HOME": str(cache / "xdg"),
-           "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**os.environ, **ours, **offline_environment(python)}
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
