@@ -156,7 +156,7 @@ profile-step: setup
 	$(PY) -m perf.profile_step
 
 lint: setup
-	$(VENV)/bin/ruff check backend client tests perf
+	$(VENV)/bin/ruff check backend client tests perf openai_front
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

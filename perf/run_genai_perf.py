@@ -11,6 +11,10 @@ and deterministic --output-len outputs (genai-perf sends max_tokens and min_leng
 (genai-perf's CSV/JSON exports, its profile export, the console log) go under
 perf/results/genai_perf/<UTC time>/concurrency<N>/. genai-perf is found next to this interpreter
 (pip install genai-perf==0.0.8, the perf extra) or at .peers/genai-perf/bin when installed apart.
+
+``--endpoint-type chat`` (or ``completions``) profiles the OpenAI-compatible front instead
+(``--service-kind openai``, openai_front): give its address with ``--url HOST:PORT`` (``make
+serve`` puts it on localhost:9000).
 """
 
 from __future__ import annotations
@@ -50,7 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = tool_parser("python -m perf.run_genai_perf", __doc__, "synthetic prompt tokens", "genai_perf")
     parser.add_argument("--concurrency", default="1,4", help="comma-separated; one genai-perf run each (default: %(default)s)")
     parser.add_argument("--measurement-interval-ms", type=int, default=None, help="genai-perf -p (default: its 10000)")
+    parser.add_argument("--endpoint-type", default="triton", choices=("triton", "chat", "completions"),
+                        help="triton: the `llm` model over gRPC (default); chat or completions: the OpenAI "
+                             "front at --url")
     return parser
+
+
+def service_arguments(args, url: str) -> list[str]:
+    """genai-perf's service options: Triton's gRPC endpoint, or an OpenAI endpoint of the front."""
+    if args.endpoint_type == "triton":
+        return ["--service-kind", "triton", "--backend", "tensorrtllm", "-u", url, "--output-tokens-mean-deterministic"]
+    return ["--service-kind", "openai", "--endpoint-type", args.endpoint_type, "-u", url]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(parsed, int):
         return parsed
     args, extra, out_root = parsed
+    if args.endpoint_type != "triton" and not args.url:
+        print("error: --endpoint-type chat/completions profiles the OpenAI front: give its --url HOST:PORT",
+              file=sys.stderr)
+        return 2
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     worst = 0
     with served(args) as server:
@@ -65,13 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             artifact_dir = (out_root / f"concurrency{concurrency}").resolve()
             artifact_dir.mkdir(parents=True, exist_ok=True)
             command = [
-                str(find_genai_perf()), "profile", "-m", args.model, "--service-kind", "triton",
-                "--backend", "tensorrtllm", "--streaming", "-u", server.grpc_url,
-                "--tokenizer", str(Path(args.tokenizer).resolve()), "--concurrency", str(concurrency),
+                str(find_genai_perf()), "profile", "-m", args.model, *service_arguments(args, server.grpc_url),
+                "--streaming", "--tokenizer", str(Path(args.tokenizer).resolve()), "--concurrency", str(concurrency),
                 "--num-prompts", str(args.num_prompts), "--random-seed", str(args.seed),
                 "--synthetic-input-tokens-mean", str(args.input_len), "--synthetic-input-tokens-stddev", "0",
                 "--output-tokens-mean", str(args.output_len), "--output-tokens-stddev", "0",
-                "--output-tokens-mean-deterministic", "--artifact-dir", str(artifact_dir),
+                "--artifact-dir", str(artifact_dir),
             ]
             if server.server is not None:  # our own server: let genai-perf read its /metrics too
                 command += ["--server-metrics-url", server.server.metrics_url]
