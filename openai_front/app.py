@@ -115,27 +115,37 @@ class _Generation:
 
     async def next(self, request: Request | None = None) -> tuple[int, Piece] | None:
         """The next (index, piece); None at the end. ``request``: give up with ClientGone when it
-        disconnects meanwhile."""
+        disconnects meanwhile (while streaming, Starlette cancels the body instead: no polling)."""
+        if request is None:
+            try:
+                async with asyncio.timeout(self.idle_timeout_s):
+                    return await anext(self.pieces)
+            except StopAsyncIteration:
+                return None
+            except TimeoutError:
+                raise self._timed_out() from None
         task = asyncio.ensure_future(self.pieces.__anext__())
         deadline = time.monotonic() + self.idle_timeout_s
         try:
             while True:
-                wait = DISCONNECT_POLL_SECONDS if request is not None else self.idle_timeout_s
-                done, _ = await asyncio.wait({task}, timeout=min(wait, max(0.0, deadline - time.monotonic())))
+                timeout = min(DISCONNECT_POLL_SECONDS, max(0.0, deadline - time.monotonic()))
+                done, _ = await asyncio.wait({task}, timeout=timeout)
                 if done:
                     try:
                         return task.result()
                     except StopAsyncIteration:
                         return None
-                if request is not None and await request.is_disconnected():
+                if await request.is_disconnected():
                     raise ClientGone()
                 if time.monotonic() >= deadline:
-                    raise ApiError(504, f"no answer from tritonserver in {self.idle_timeout_s:.0f} s", None,
-                                   "timeout", "timeout")
+                    raise self._timed_out()
         finally:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+    def _timed_out(self) -> ApiError:
+        return ApiError(504, f"no answer from tritonserver in {self.idle_timeout_s:.0f} s", None, "timeout", "timeout")
 
     async def close(self) -> None:
         await self.pieces.aclose()
