@@ -330,3 +330,39 @@ def test_genai_perf_chat_endpoint_profiles_the_front(front, tmp_path):
     report = json.loads((out_dir / "concurrency2" / "profile_export_genai_perf.json").read_text())
     assert report["request_throughput"]["avg"] > 0
     assert report["time_to_first_token"]["avg"] > 0 and report["output_token_throughput"]["avg"] > 0
+
+
+def test_tritons_busy_error_and_the_fronts_stream_limit_are_503s_with_retry_after(make_server):
+    """Triton refusing a request (max_queue_len) and the front refusing one over --max-concurrent are
+    both 503 + Retry-After; the request that got in is answered in full."""
+    server = make_server({"max_num_seqs": "1", "max_queue_len": "1"}, models=("llm", "tokenizer"))
+    process, base = start_front(server.grpc_url, "--max-concurrent", "3")
+    long = {"model": "llm", "prompt": "long", "max_tokens": 300, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    def wait_for(name: str) -> None:
+        deadline = time.monotonic() + 60
+        while triton_metric(server.metrics_url, name) < 1:
+            assert time.monotonic() < deadline, f"{name} never reached 1"
+            time.sleep(0.05)
+
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=120) as running:
+            lines = running.iter_lines()
+            assert next(lines).startswith("data: ")
+            wait_for("llm_num_requests_running")  # max_num_seqs 1: the engine is full
+            with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=120) as queued:
+                wait_for("llm_num_requests_waiting")  # max_queue_len 1: the queue is full
+                busy = httpx.post(f"{base}/v1/completions", json={"model": "llm", "prompt": "x", "max_tokens": 2},
+                                  timeout=60)
+                assert busy.status_code == 503, busy.text
+                assert busy.headers["retry-after"] == "1" and "busy" in busy.json()["error"]["message"]
+                with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=120):
+                    over = httpx.post(f"{base}/v1/completions", json=long, timeout=60)  # the 4th in flight
+                    assert over.status_code == 503 and "max_concurrent=3" in over.json()["error"]["message"]
+                    assert over.headers["retry-after"] == "1"
+                assert queued.status_code == 200
+            events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 300
+    finally:
+        stop_front(process)
