@@ -9,8 +9,8 @@ perf/compare/vllm_server.py) on the same model folder. Against each, `vllm bench
 venv's, a load generator none of us wrote) runs the same random dataset: ``--backend openai``
 (/v1/completions, streamed), greedy, ``--ignore-eos``, the same seed, at ``--max-concurrency``.
 On the Triton server the same round also measures the front's extra hop with client.bench: the
-same 64 requests at 32 concurrent streams over Triton's gRPC (one stream per user) and over the
-front's HTTP API, with each process's CPU (tritonserver, the `llm` stub and engine core, the
+64 requests at 32 concurrent streams over Triton's gRPC (one stream per user) and over the
+front's HTTP API (each with its own prompts: neither hits the other's prefix cache), with each process's CPU (tritonserver, the `llm` stub and engine core, the
 front, the client) per output token.
 
 Writes report.md (medians over the rounds, and every run) and results.json (every number, with
@@ -38,7 +38,7 @@ from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.prompts import PromptBuilder
 from client.bench.runner import API_OPENAI, API_TRITON, run_workload
 from client.bench.stats import compute_metrics
-from client.bench.workload import build_workload
+from client.bench.workload import RUN_SEED_STRIDE, build_workload
 from perf.compare.cpu_meter import CpuMeter
 from perf.compare.vllm_server import SERVED_MODEL_NAME, offline_environment, start_vllm, vllm_python
 from perf.idle_cpu import process_cpu_seconds
@@ -110,7 +110,10 @@ def served_run(url: str, items, args, api: str, server_pgid: int, front_pid: int
             "cpu_ms_per_token": {role: 1000 * s / max(1, tokens) for role, s in by_role.items()}}
 
 
-def run_round(args, round_index: int, out: Path, model_dir: str, items, engine_config) -> dict:
+def run_round(args, round_index: int, out: Path, model_dir: str, workloads, engine_config) -> dict:
+    """``workloads``: (for the gRPC run, for the front's run): distinct prompts, so neither finds the
+    other's prompts in the prefix cache."""
+    grpc_items, front_items = workloads
     results = {}
     with tritonserver(Path(args.model_repository), {"dtype": args.dtype}, "llm") as server:
         grpc_port = int(server.grpc_url.rsplit(":", 1)[1])
@@ -119,21 +122,21 @@ def run_round(args, round_index: int, out: Path, model_dir: str, items, engine_c
         base = f"http://127.0.0.1:{front.port}"
         try:
             wait_healthy(base)
-            run_workload(base, "llm", items[:1], ArrivalPattern("concurrency", 1), api=API_OPENAI)  # warm-up
+            run_workload(base, "llm", grpc_items[:1], ArrivalPattern("concurrency", 1), api=API_OPENAI)  # warm-up
             print(f"[round {round_index + 1}] vllm bench serve -> our front", flush=True)
             results["front_vllm_bench"] = vllm_bench(base, "llm", model_dir, args, out, f"ours-{round_index}")
             pgid = os.getpgid(server.process.pid)
             print(f"[round {round_index + 1}] client.bench -> Triton gRPC", flush=True)
-            results["grpc"] = served_run(server.grpc_url, items, args, API_TRITON, pgid, None)
+            results["grpc"] = served_run(server.grpc_url, grpc_items, args, API_TRITON, pgid, None)
             print(f"[round {round_index + 1}] client.bench -> our front", flush=True)
-            results["front"] = served_run(base, items, args, API_OPENAI, pgid, front.process.pid)
+            results["front"] = served_run(base, front_items, args, API_OPENAI, pgid, front.process.pid)
         finally:
             front.stop()
     print(f"[round {round_index + 1}] starting vLLM (tuned)", flush=True)
     vllm = start_vllm(model_dir, "tuned", args.dtype, engine_config.model.max_model_len,
                       engine_config.scheduler.max_num_seqs, args.vllm_kv_cache_gib, log_dir=out)
     try:
-        run_workload(vllm.url, SERVED_MODEL_NAME, items[:1], ArrivalPattern("concurrency", 1), api=API_OPENAI)
+        run_workload(vllm.url, SERVED_MODEL_NAME, grpc_items[:1], ArrivalPattern("concurrency", 1), api=API_OPENAI)
         print(f"[round {round_index + 1}] vllm bench serve -> vLLM", flush=True)
         results["vllm_vllm_bench"] = vllm_bench(vllm.url, SERVED_MODEL_NAME, model_dir, args, out,
                                                 f"vllm-{round_index}")
@@ -206,11 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     engine_config = engine_config_from_model_folder(str(Path(args.model_repository) / "llm"), dtype=args.dtype)
     model_dir = engine_config.model.model_dir
     builder = PromptBuilder(engine_config.model.tokenizer_dir or model_dir)
-    items = build_workload(builder, args.num_prompts, parse_length(str(args.input_len)),
-                           parse_length(str(args.output_len)), args.seed, max_model_len=engine_config.model.max_model_len)
     rounds = []
     for index in range(args.rounds):
-        rounds.append(run_round(args, index, out, model_dir, items, engine_config))
+        workloads = [build_workload(builder, args.num_prompts, parse_length(str(args.input_len)),
+                                    parse_length(str(args.output_len)), args.seed + (2 * index + k) * RUN_SEED_STRIDE,
+                                    max_model_len=engine_config.model.max_model_len) for k in (1, 2)]
+        rounds.append(run_round(args, index, out, model_dir, workloads, engine_config))
         document = {"at": now_iso(), "git": git_state(), "machine": machine_info(), "model": model_dir,
                     "settings": vars(args) | {"out_dir": str(out)}, "vllm_version": vllm_version().get("vllm"),
                     "rounds": rounds}
