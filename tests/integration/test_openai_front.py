@@ -333,12 +333,26 @@ def test_genai_perf_chat_endpoint_profiles_the_front(front, tmp_path):
 
 
 def test_tritons_busy_error_and_the_fronts_stream_limit_are_503s_with_retry_after(make_server):
-    """Triton refusing a request (max_queue_len) and the front refusing one over --max-concurrent are
-    both 503 + Retry-After; the request that got in is answered in full."""
-    server = make_server({"max_num_seqs": "1", "max_queue_len": "1"}, models=("llm", "tokenizer"))
-    process, base = start_front(server.grpc_url, "--max-concurrent", "3")
-    long = {"model": "llm", "prompt": "long", "max_tokens": 300, "ignore_eos": True, "stream": True,
+    """With the engine full (max_num_seqs 1) and its queue full (max_queue_len 1), a request through
+    a second front gets Triton's busy error as a 503, and a third request through the first front,
+    which allows 2 generations in flight, gets the front's own 503; both with Retry-After. The two
+    requests that got in are answered in full."""
+    import threading
+
+    server = make_server({"max_num_seqs": "1", "max_queue_len": "1"})
+    limited, limited_base = start_front(server.grpc_url, "--max-concurrent", "2")
+    other, other_base = start_front(server.grpc_url)
+    long = {"model": "llm", "prompt": "long", "max_tokens": 200, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    answers: dict[str, list[str]] = {}
+
+    def stream(name: str) -> threading.Thread:
+        def run():
+            with httpx.stream("POST", f"{limited_base}/v1/completions", json=long, timeout=300) as response:
+                answers[name] = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
 
     def wait_for(name: str) -> None:
         deadline = time.monotonic() + 60
@@ -347,22 +361,21 @@ def test_tritons_busy_error_and_the_fronts_stream_limit_are_503s_with_retry_afte
             time.sleep(0.05)
 
     try:
-        with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=120) as running:
-            lines = running.iter_lines()
-            assert next(lines).startswith("data: ")
-            wait_for("llm_num_requests_running")  # max_num_seqs 1: the engine is full
-            with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=120) as queued:
-                wait_for("llm_num_requests_waiting")  # max_queue_len 1: the queue is full
-                busy = httpx.post(f"{base}/v1/completions", json={"model": "llm", "prompt": "x", "max_tokens": 2},
-                                  timeout=60)
-                assert busy.status_code == 503, busy.text
-                assert busy.headers["retry-after"] == "1" and "busy" in busy.json()["error"]["message"]
-                with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=120):
-                    over = httpx.post(f"{base}/v1/completions", json=long, timeout=60)  # the 4th in flight
-                    assert over.status_code == 503 and "max_concurrent=3" in over.json()["error"]["message"]
-                    assert over.headers["retry-after"] == "1"
-                assert queued.status_code == 200
-            events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
-        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 300
+        streams = [stream("running")]
+        wait_for("llm_num_requests_running")
+        streams.append(stream("queued"))
+        wait_for("llm_num_requests_waiting")
+        busy = httpx.post(f"{other_base}/v1/completions", json={"model": "llm", "prompt": "x", "max_tokens": 2},
+                          timeout=60)
+        over = httpx.post(f"{limited_base}/v1/completions", json=long, timeout=60)
+        for thread in streams:
+            thread.join(300)
     finally:
-        stop_front(process)
+        stop_front(limited)
+        stop_front(other)
+    assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+    assert "busy" in busy.json()["error"]["message"]
+    assert over.status_code == 503 and over.headers["retry-after"] == "1", over.text
+    assert "max_concurrent=2" in over.json()["error"]["message"]
+    for name in ("running", "queued"):
+        assert answers[name][-1] == "[DONE]" and json.loads(answers[name][-2])["usage"]["completion_tokens"] == 200
