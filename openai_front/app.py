@@ -44,6 +44,31 @@ class FrontSettings:
     idle_timeout_s: float = 300.0  # longest silence from Triton inside one generation
 
 
+class _Tally:
+    """What one answer adds up: the usage always and, for a non-streamed answer, each choice."""
+
+    def __init__(self, n: int, keep_choices: bool):
+        self.n, self.keep_choices = n, keep_choices
+        self.choices: dict[int, Choice] = {}
+        self.completion_tokens = 0
+        self._prompt_tokens: dict[int, int] = {}  # per prompt (choice // n), not per sample
+
+    def add(self, index: int, piece: Piece) -> None:
+        self.completion_tokens += piece.num_output_tokens
+        if piece.num_input_tokens is not None:
+            self._prompt_tokens[index // self.n] = piece.num_input_tokens
+        if not self.keep_choices:
+            return
+        choice = self.choices.setdefault(index, Choice(index))
+        choice.text += piece.text
+        choice.logprobs.extend(piece.logprobs)
+        if piece.finish_reason is not None:
+            choice.finish_reason = piece.finish_reason
+
+    def usage(self) -> Usage:
+        return Usage(sum(self._prompt_tokens.values()), self.completion_tokens)
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected before its answer was complete."""
 
@@ -206,6 +231,11 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
         return [bridge.generate(prompt, None, parsed.sampling, echo=parsed.echo, logprobs=wants_logprobs,
                                 request_id=f"{request_id}-{i}") for i, prompt in enumerate(parsed.prompts)]
 
+    def check_model(body: dict) -> None:
+        """/tokenize and /detokenize name the model optionally; when they do, it must be ours."""
+        if body.get("model") not in (None, *served):
+            raise bad_request("model", f"model: {body.get('model')!r} is not served here", "model_not_found")
+
     def with_chat_param(error: ApiError, chat: bool) -> ApiError:
         if chat and error.param == "prompt":
             error.param = "messages"
@@ -256,38 +286,31 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
             await release()
 
     async def _gather(parsed, request_id, generation, first, request, endpoint, arrived):
-        choices: dict[int, Choice] = {}
-        usage = Usage()
-        prompt_tokens: dict[int, int] = {}
+        tally = _Tally(parsed.n, keep_choices=True)
         item = first
         while item is not None:
-            index, piece = item
-            _add(choices, prompt_tokens, usage, index, piece, parsed.n)
+            tally.add(*item)
             item = await generation.next(request)
-        usage.prompt_tokens = sum(prompt_tokens.values())
         for index in range(len(parsed.prompts or [None]) * parsed.n):
-            choices.setdefault(index, Choice(index))
+            tally.choices.setdefault(index, Choice(index))
         metrics.requests.labels(endpoint, "200").inc()
         metrics.latency.labels(endpoint).observe(time.monotonic() - arrived)
-        return JSONResponse(full_response(request_id, parsed.chat, parsed.model, list(choices.values()), usage,
-                                          parsed.logprobs))
+        return JSONResponse(full_response(request_id, parsed.chat, parsed.model, list(tally.choices.values()),
+                                          tally.usage(), parsed.logprobs))
 
     async def _stream(parsed, request_id, generation, first, endpoint, arrived):
         writer = ChunkWriter(request_id, parsed.chat, parsed.model, parsed.logprobs)
-        choices: dict[int, Choice] = {}
-        usage = Usage()
-        prompt_tokens: dict[int, int] = {}
+        tally = _Tally(parsed.n, keep_choices=False)  # the chunks carry the text: only usage adds up
         status = "200"
         try:
             item = first
             while item is not None:
                 index, piece = item
-                _add(choices, prompt_tokens, usage, index, piece, parsed.n)
+                tally.add(index, piece)
                 yield writer.delta(index, piece.text, piece.finish_reason, piece.logprobs)
                 item = await generation.next()
-            usage.prompt_tokens = sum(prompt_tokens.values())
             if parsed.include_usage:
-                yield writer.usage(usage)
+                yield writer.usage(tally.usage())
         except ApiError as error:
             status = str(error.status)
             yield writer.error(with_chat_param(error, parsed.chat).body())
@@ -325,8 +348,7 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
             body = await read_json(request)
             if not isinstance(body, dict):
                 raise bad_request(None, "the body must be a JSON object")
-            if body.get("model") not in (None, *served):
-                raise bad_request("model", f"model: {body.get('model')!r} is not served here", "model_not_found")
+            check_model(body)
             if body.get("messages") is not None:
                 raise bad_request("messages", "messages: not supported by /tokenize here; send prompt")
             prompt = body.get("prompt")
@@ -349,23 +371,10 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
                                                        0 <= t < 2**31 for t in tokens):
                 raise bad_request("tokens", "tokens: required, a list of token ids")
-            if body.get("model") not in (None, *served):
-                raise bad_request("model", f"model: {body.get('model')!r} is not served here", "model_not_found")
+            check_model(body)
             return {"prompt": await request.app.state.bridge.detokenize(tokens)}
         except ApiError as error:
             return error_response("detokenize", error)
 
     return app
 
-
-def _add(choices: dict[int, Choice], prompt_tokens: dict[int, int], usage: Usage, index: int, piece: Piece,
-         n: int) -> None:
-    choice = choices.setdefault(index, Choice(index))
-    choice.text += piece.text
-    choice.logprobs.extend(piece.logprobs)
-    choice.num_output_tokens += piece.num_output_tokens
-    usage.completion_tokens += piece.num_output_tokens
-    if piece.finish_reason is not None:
-        choice.finish_reason = piece.finish_reason
-    if piece.num_input_tokens is not None:
-        prompt_tokens[index // n] = piece.num_input_tokens  # once per prompt, not per sample

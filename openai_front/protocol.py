@@ -156,7 +156,11 @@ def _check_fields(body: dict, known: frozenset[str]) -> None:
         raise bad_request("add_generation_prompt", "add_generation_prompt: only true is supported")
 
 
-def _common(body: dict, chat: bool, limits: Limits, served_models: tuple[str, ...]) -> GenerationRequest:
+def _common(body, chat: bool, limits: Limits, served_models: tuple[str, ...]) -> GenerationRequest:
+    """What chat and completions share: the body's shape, its field names, and the common fields."""
+    if not isinstance(body, dict):
+        raise bad_request(None, "the body must be a JSON object")
+    _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model", "model: required, a string")
@@ -210,9 +214,6 @@ def _common(body: dict, chat: bool, limits: Limits, served_models: tuple[str, ..
 
 
 def parse_chat(body, limits: Limits, served_models: tuple[str, ...]) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise bad_request(None, "the body must be a JSON object")
-    _check_fields(body, CHAT_FIELDS)
     request = _common(body, True, limits, served_models)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -231,9 +232,6 @@ def parse_chat(body, limits: Limits, served_models: tuple[str, ...]) -> Generati
 
 
 def parse_completion(body, limits: Limits, served_models: tuple[str, ...]) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise bad_request(None, "the body must be a JSON object")
-    _check_fields(body, COMPLETION_FIELDS)
     request = _common(body, False, limits, served_models)
     prompt = body.get("prompt")
     if isinstance(prompt, str):

@@ -26,7 +26,6 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[dict] = field(default_factory=list)  # the `llm` model's entries, in order
-    num_output_tokens: int = 0
 
 
 @dataclass(slots=True)

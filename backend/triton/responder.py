@@ -11,8 +11,8 @@ per iteration, at the time this process had it, before any coalescing. With coal
 thread flushes after every output. Cancelled requests (the client cancelled the gRPC call or
 closed the stream) are aborted in the engine so their KV blocks are freed at once; the thread asks
 Triton every 0.1 s, at most MAX_CANCEL_CHECKS_PER_POLL requests a time (each ask is a round trip
-to tritonserver), so with many streams a cancellation is seen within ceil(streams / 8) x 0.1 s. Once a request
-is registered, only this thread touches its sender, and never after its FINAL flag.
+to tritonserver), so with many streams a cancellation is seen within ceil(streams / 8) x 0.1 s.
+Once a request is registered, only this thread touches its sender, and never after its FINAL flag.
 """
 
 from __future__ import annotations
