@@ -76,7 +76,11 @@ def test_perf_analyzer_streaming_sweep(triton_server, demo_model_dir, tmp_path):
     assert all(row["metrics"]["num_errors"] == 0 and row["metrics"]["ttft_ms"]["p50"] > 0 for row in token_metrics)
 
 
-def test_genai_perf_profile(triton_server, demo_model_dir, tmp_path):
+def profile_with_genai_perf(arguments: list[str], tmp_path) -> dict:
+    """perf.run_genai_perf with ``arguments`` at concurrency 2, briefly; its JSON report. Skipped
+    (with the reason) only when perf_analyzer or genai-perf cannot run here. One retry: in one CI
+    run (2026-12-02) perf_analyzer exited 0 with an empty profile export and printed nothing, and it
+    passed in the CI run before and locally after; both logs go into the failure message."""
     problem = ensure_perf_analyzer()
     if problem:
         pytest.skip(f"genai-perf drives perf_analyzer, which cannot run here: {problem}")
@@ -84,13 +88,10 @@ def test_genai_perf_profile(triton_server, demo_model_dir, tmp_path):
         pytest.skip("genai-perf is not installed (pip install -e '.[perf]' installs genai-perf==0.0.8)")
     logs = []
     for attempt in range(2):
-        # -v: perf_analyzer's own output goes into genai_perf.log too. One retry: in one CI run
-        # (2026-12-02) perf_analyzer exited 0 with an empty profile export and printed nothing, and
-        # it passed in the CI run before and locally after; both logs go into the failure message.
+        # -v: perf_analyzer's own output goes into genai_perf.log too.
         out_dir = tmp_path / f"gp{attempt}"
         code = genai_perf_main([
-            "--url", triton_server.grpc_url, "--tokenizer", str(demo_model_dir), "--concurrency", "2",
-            "--input-len", "24", "--output-len", "8",
+            *arguments, "--concurrency", "2", "--input-len", "24", "--output-len", "8",
             "--num-prompts", "8", "--out-dir", str(out_dir),
             "--", "-v", "--", "--measurement-mode", "count_windows", "--measurement-request-count", "4",
             "-s", "999", "-r", "3",
@@ -100,7 +101,11 @@ def test_genai_perf_profile(triton_server, demo_model_dir, tmp_path):
             break
         print(f"genai-perf attempt {attempt + 1} failed:\n{logs[-1][-4000:]}")
     assert code == 0, "\n---\n".join(log[-3000:] for log in logs)
-    report = json.loads((out_dir / "concurrency2" / "profile_export_genai_perf.json").read_text())
+    return json.loads((out_dir / "concurrency2" / "profile_export_genai_perf.json").read_text())
+
+
+def test_genai_perf_profile(triton_server, demo_model_dir, tmp_path):
+    report = profile_with_genai_perf(["--url", triton_server.grpc_url, "--tokenizer", str(demo_model_dir)], tmp_path)
     assert report["request_throughput"]["avg"] > 0
     assert report["time_to_first_token"]["avg"] > 0 and report["inter_token_latency"]["avg"] > 0
 

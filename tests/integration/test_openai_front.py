@@ -307,30 +307,11 @@ def test_health_follows_the_models_readiness_across_unload_and_load(make_server)
 
 def test_genai_perf_chat_endpoint_profiles_the_front(front, tmp_path):
     """genai-perf --service-kind openai --endpoint-type chat, briefly (the CI smoke the issue asks for)."""
-    from perf.run_genai_perf import find_genai_perf
-    from perf.run_genai_perf import main as genai_perf_main
-    from tests.integration.test_bench_smoke import ensure_perf_analyzer
+    from tests.integration.test_bench_smoke import profile_with_genai_perf
 
-    problem = ensure_perf_analyzer()
-    if problem:
-        pytest.skip(f"genai-perf drives perf_analyzer, which cannot run here: {problem}")
-    if find_genai_perf() is None:
-        pytest.skip("genai-perf is not installed (pip install -e '.[perf]' installs genai-perf==0.0.8)")
-    logs = []
-    for attempt in range(2):  # perf_analyzer sometimes exits 0 with an empty export: one retry
-        out_dir = tmp_path / f"gp{attempt}"
-        code = genai_perf_main(["--url", front.removeprefix("http://"), "--endpoint-type", "chat", "--concurrency", "2",
-                                "--input-len", "24", "--output-len", "8", "--num-prompts", "8", "--out-dir",
-                                str(out_dir), "--", "-v", "--", "--measurement-mode", "count_windows",
-                                "--measurement-request-count", "4", "-s", "999", "-r", "3"])
-        logs.append((out_dir / "concurrency2" / "genai_perf.log").read_text())
-        if code == 0:
-            break
-    assert code == 0, "\n---\n".join(log[-3000:] for log in logs)
-    report = json.loads((out_dir / "concurrency2" / "profile_export_genai_perf.json").read_text())
+    report = profile_with_genai_perf(["--url", front.removeprefix("http://"), "--endpoint-type", "chat"], tmp_path)
     assert report["request_throughput"]["avg"] > 0
     assert report["time_to_first_token"]["avg"] > 0 and report["output_token_throughput"]["avg"] > 0
-
 
 def test_tritons_busy_error_and_the_fronts_stream_limit_are_503s_with_retry_after(make_server):
     """With the engine full (max_num_seqs 1) and its queue full (max_queue_len 1), a request through
