@@ -21,6 +21,7 @@ class ConfigError(ValueError):
 GLUE_PARAMETER_NAMES = frozenset({
     "shutdown_grace_seconds", "triton_http_url", "engine_process", "engine_heartbeat_timeout_seconds",
     "on_stub_death", "stream_interval", "response_coalescing",
+    "client_priority_range", "client_priority_clamp", "max_requests_per_client",
 })
 
 # No tokenizer we know packs more than this many UTF-8 bytes into an average token of real text.
@@ -87,11 +88,26 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputConfig:
+    """Bounds on what a client's constraint may cost (backend/structured_output): a budget checked
+    before compiling, a compile timeout and compiles in flight per client."""
+
+    structured_output_max_schema_bytes: int = 32 * 1024  # UTF-8 bytes of one schema, regex or grammar
+    structured_output_max_depth: int = 32  # nesting of objects and arrays in a JSON schema
+    structured_output_max_properties: int = 256  # properties over a whole schema
+    structured_output_max_patterns: int = 32  # regex patterns (pattern, patternProperties) in a schema
+    structured_output_max_pattern_length: int = 1024  # characters of one pattern or regex
+    structured_output_compile_timeout_seconds: int = 10  # a compile running longer fails its requests
+    structured_output_max_compiles_per_client: int = 2  # compiles in flight for one client (user); 0: no cap
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
 
 _CHOICES = {
@@ -138,6 +154,13 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "speculative_model_dir": ("speculative", "path", None),
     "speculative_num_kv_blocks": ("speculative", "int", 0),
     "speculative_controller": ("speculative", "choice", None),
+    "structured_output_max_schema_bytes": ("structured_output", "int", 1),
+    "structured_output_max_depth": ("structured_output", "int", 1),
+    "structured_output_max_properties": ("structured_output", "int", 1),
+    "structured_output_max_patterns": ("structured_output", "int", 0),
+    "structured_output_max_pattern_length": ("structured_output", "int", 1),
+    "structured_output_compile_timeout_seconds": ("structured_output", "int", 1),
+    "structured_output_max_compiles_per_client": ("structured_output", "int", 0),
 }
 
 
@@ -182,7 +205,7 @@ def parse_engine_config(
     Relative paths resolve against ``base_dir`` (the model's folder). Names in ``extra_names`` are
     accepted and ignored (they belong to the caller). Raises ConfigError naming the parameter.
     """
-    sections: dict[str, dict] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}}
+    sections: dict[str, dict] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}, "structured_output": {}}
     for name, raw in parameters.items():
         if name in extra_names:
             continue
@@ -200,6 +223,7 @@ def parse_engine_config(
         cache=CacheConfig(**sections["cache"]),
         scheduler=SchedulerConfig(**sections["scheduler"]),
         speculative=SpeculativeConfig(**sections["speculative"]),
+        structured_output=StructuredOutputConfig(**sections["structured_output"]),
     )
     validate_engine_config(config)
     return config

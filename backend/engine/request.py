@@ -55,6 +55,7 @@ MAX_STOP_STRING_BYTES = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_N = 16  # parallel samples of one request
+MAX_USER_CHARS = 256  # a client identity (OpenAI's user field); longer ones are refused
 MAX_BEAM_WIDTH = 8
 EARLY_STOPPING_VALUES = (False, True, "never")  # transformers' values
 
@@ -91,6 +92,7 @@ class SamplingParams:
     length_penalty: float = 1.0  # beam search: a hypothesis scores sum logprob / length ** this
     early_stopping: bool | str = False  # beam search: True, False or "never", as transformers
     num_speculative_tokens: int | None = None  # speculative decoding: at most this many per step; 0: off; None: config's
+    user: str = ""  # the client that sent it (OpenAI's user): the key of per-client limits; "": the shared key
 
     def validate(self) -> None:
         """Raises SamplingParamsError naming the first bad field.
@@ -126,6 +128,8 @@ class SamplingParams:
             raise SamplingParamsError(f"logprobs: at most {MAX_TOP_LOGPROBS} top logprobs, got {self.top_logprobs}")
         if not isinstance(self.priority, int) or not -(2**31) <= self.priority < 2**31:
             raise SamplingParamsError(f"priority must be a 32-bit integer, got {self.priority!r}")
+        if not isinstance(self.user, str) or len(self.user) > MAX_USER_CHARS:
+            raise SamplingParamsError(f"user must be a string of at most {MAX_USER_CHARS} characters")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise SamplingParamsError(f"n/num_return_sequences must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:

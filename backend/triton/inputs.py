@@ -59,7 +59,7 @@ SAMPLING_PARAMETER_KEYS = frozenset({
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs",
     "skip_special_tokens", "prompt_logprobs", "priority", "n", "beam_width", "length_penalty",
-    "early_stopping", "num_speculative_tokens",
+    "early_stopping", "num_speculative_tokens", "user",
 })
 # Non-sampling keys that the JSON may carry too (they override the single inputs).
 REQUEST_OPTION_KEYS = ("stream", "exclude_input_in_output")
@@ -359,6 +359,10 @@ def _parse_sampling_json(text: str, options: dict[str, object]) -> dict[str, obj
             else:
                 values["logprobs"] = True
                 values["top_logprobs"] = _as_int(where, value, text_ok=True)
+        elif key == "user":  # the client's identity, as OpenAI's user field: per-client limits
+            if value is not None and not isinstance(value, str):
+                raise InputError(f"{where}: expected a string")
+            values["user"] = value or ""
         elif key == "early_stopping":  # true, false or "never" (transformers' values)
             values[key] = "never" if value == "never" else as_bool(where, value, text_ok=True)
         elif key in BOOL_KEYS:
