@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 GLUE_PARAMETER_NAMES = frozenset({
     "shutdown_grace_seconds", "triton_http_url", "engine_process", "engine_heartbeat_timeout_seconds",
     "on_stub_death", "stream_interval", "response_coalescing",
-    "client_priority_range", "client_priority_clamp", "max_requests_per_client",
+    "client_priority_range", "client_priority_clamp",
 })
 
 # No tokenizer we know packs more than this many UTF-8 bytes into an average token of real text.
@@ -67,6 +67,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower sampling_params.priority first, as vLLM)
     max_queue_len: int = 1024  # waiting requests beyond this are rejected as busy
+    max_requests_per_client: int = 0  # one client's (user's) requests in flight or waiting; 0: no cap
     default_max_tokens: int = 128
 
 
@@ -146,6 +147,7 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "enable_chunked_prefill": ("scheduler", "bool", None),
     "scheduling_policy": ("scheduler", "choice", None),
     "max_queue_len": ("scheduler", "int", 0),
+    "max_requests_per_client": ("scheduler", "int", 0),
     "default_max_tokens": ("scheduler", "int", 1),
     "speculative_method": ("speculative", "choice", None),
     "num_speculative_tokens": ("speculative", "int", 1),

@@ -11,7 +11,9 @@ told (the Triton models send it as UNAVAILABLE), in this order:
   over (``EngineCore.begin_drain``);
 - the engine core is down and being replaced (``engine_down`` until ``engine_up``);
 - ``max_queue_len`` requests wait already: the engine's waiting count as of its last report plus
-  the requests admitted since that it had not taken yet.
+  the requests admitted since that it had not taken yet;
+- the request's client has ``max_requests_per_client`` requests in flight or waiting already
+  (backend/engine_core/client_cap.py): refused for that client only.
 
 Thread-safe: Triton's thread admits while the engine's reader or loop thread reports.
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+
+from backend.engine_core.client_cap import SHARED_CLIENT, ClientCap
 
 DRAINING_MESSAGE = "shutting down (server stop or model unload): not accepting new requests"
 RESTARTING_MESSAGE = "the engine core is restarting after a failure; retry in a few seconds"
@@ -35,8 +39,9 @@ def busy_message(waiting: int, max_queue_len: int) -> str:
 
 
 class AdmissionControl:
-    def __init__(self, max_queue_len: int, engine_up: bool = True):
+    def __init__(self, max_queue_len: int, engine_up: bool = True, max_requests_per_client: int = 0):
         self.max_queue_len = max_queue_len
+        self.clients = ClientCap(max_requests_per_client)
         self._lock = threading.Lock()
         self._closed: str | None = None  # the stop's message, once the model stops
         self._drain_grace: float | None = None  # set once draining starts
@@ -45,16 +50,20 @@ class AdmissionControl:
         self._admitted = 0  # requests admitted since the engine's counts started
         self._taken = 0  # of those, how many the engine had taken at its last report
 
-    def admit(self, on_accept: Callable[[], None] | None = None) -> None:
+    def admit(self, on_accept: Callable[[], None] | None = None, client: str = SHARED_CLIENT,
+              request_id: str | None = None) -> None:
         """Raises BusyError naming why the request is refused; otherwise ``on_accept()`` runs (under
-        the lock, so a stop or a drain cannot come between) and the request counts as waiting."""
+        the lock, so a stop or a drain cannot come between) and the request counts as waiting, and
+        as its client's until ``clients.release(request_id)``."""
         with self._lock:
-            refusal = self._refusal()
+            refusal = self._refusal() or self.clients.refusal(client)
             if refusal is not None:
                 raise BusyError(refusal)
             if on_accept is not None:
                 on_accept()
             self._admitted += 1
+            if request_id is not None:
+                self.clients.acquire(client, request_id)
 
     def _refusal(self) -> str | None:
         if self._closed is not None:

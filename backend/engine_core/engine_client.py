@@ -68,8 +68,8 @@ def empty_stats(num_kv_blocks: int = 0) -> EngineStats:
 class EngineClient(abc.ABC):
     """See the module docstring. ``_lock`` is held while a request is admitted and queued."""
 
-    def __init__(self, max_queue_len: int, engine_up: bool = True):
-        self.admission = AdmissionControl(max_queue_len, engine_up)
+    def __init__(self, max_queue_len: int, engine_up: bool = True, max_requests_per_client: int = 0):
+        self.admission = AdmissionControl(max_queue_len, engine_up, max_requests_per_client)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
 
@@ -81,8 +81,16 @@ class EngineClient(abc.ABC):
     def submit(self, request: AddRequest, on_accept: Callable[[], None] | None = None) -> None:
         """Admission control decides (BusyError); an accepted request is queued for ``flush``."""
         with self._lock:
-            self.admission.admit(on_accept)
+            self.admission.admit(on_accept, request.sampling_params.user, request.request_id)
             self._queue(request)
+
+    def _post(self, item: EngineOutputs | None) -> None:
+        """Puts an item on ``outbox``; a request's final output gives its client's seat back."""
+        if item is not None:
+            for output in item.outputs:
+                if output.finished:
+                    self.admission.clients.release(output.request_id)
+        self.outbox.put(item)
 
     @abc.abstractmethod
     def _queue(self, request: AddRequest) -> None:
@@ -119,6 +127,7 @@ def make_engine_client(config: EngineConfig, *, step_on_demand: bool, in_process
     """The client a model asks for: stepping on demand or free-running, the engine in this process
     or in its own. Only ``in_process`` loads the engine (and torch) into this process."""
     max_queue_len = config.scheduler.max_queue_len
+    per_client = config.scheduler.max_requests_per_client
     if step_on_demand:
         from backend.engine_core.step_on_demand import (  # noqa: PLC0415
             InProcessTransport,
@@ -128,15 +137,15 @@ def make_engine_client(config: EngineConfig, *, step_on_demand: bool, in_process
 
         transport = (InProcessTransport(_load_engine(config)) if in_process
                      else ProcessTransport(config, heartbeat_timeout, on_restart, stub_watch))
-        return StepOnDemandClient(transport, max_queue_len)
+        return StepOnDemandClient(transport, max_queue_len, per_client)
     if in_process:
         from backend.engine_core.in_thread import InThreadClient  # noqa: PLC0415
 
-        return InThreadClient(_load_engine(config), max_queue_len)
+        return InThreadClient(_load_engine(config), max_queue_len, per_client)
     from backend.engine_core.process_client import ProcessClient  # noqa: PLC0415
 
     return ProcessClient(config, max_queue_len, heartbeat_timeout, on_restart=on_restart, on_ipc=on_ipc,
-                         stub_watch=stub_watch)
+                         stub_watch=stub_watch, max_requests_per_client=per_client)
 
 
 def _load_engine(config: EngineConfig):

@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 class InThreadClient(EngineClient):
-    def __init__(self, engine: LLMEngine, max_queue_len: int):
-        super().__init__(max_queue_len)
+    def __init__(self, engine: LLMEngine, max_queue_len: int, max_requests_per_client: int = 0):
+        super().__init__(max_queue_len, max_requests_per_client=max_requests_per_client)
         self.core = EngineCore(engine)
         self._cond = threading.Condition(self._lock)
         self._pending: list[AddRequest] = []
@@ -76,7 +76,7 @@ class InThreadClient(EngineClient):
                     aborts, self._aborts = self._aborts, []
                 stop_message = self.admission.closed_message
                 if stop_message is not None:
-                    self.outbox.put(engine_outputs(core.fail_everything(stop_message, pending), core.stats()))
+                    self._post(engine_outputs(core.fail_everything(stop_message, pending), core.stats()))
                     core.engine.close()  # the offload tier writes what it has queued
                     return
                 if self.admission.draining:
@@ -85,6 +85,6 @@ class InThreadClient(EngineClient):
                 stats = core.stats()
                 self.admission.engine_reported(stats.num_waiting, core.num_adds_seen)
                 if outputs or pending or aborts:
-                    self.outbox.put(engine_outputs(outputs, stats))
+                    self._post(engine_outputs(outputs, stats))
         finally:
-            self.outbox.put(None)
+            self._post(None)

@@ -49,8 +49,9 @@ class ProcessClient(EngineClient):
     def __init__(self, config: EngineConfig, max_queue_len: int,
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
                  on_restart: Callable[[str], None] | None = None,
-                 on_ipc: Callable[[float], None] | None = None, stub_watch: StubWatch | None = None):
-        super().__init__(max_queue_len, engine_up=False)  # refused until start()
+                 on_ipc: Callable[[float], None] | None = None, stub_watch: StubWatch | None = None,
+                 max_requests_per_client: int = 0):
+        super().__init__(max_queue_len, engine_up=False, max_requests_per_client=max_requests_per_client)  # refused until start()
         self.heartbeat_timeout = heartbeat_timeout
         self.on_restart = on_restart  # called with the reason, from the reader thread
         self.on_ipc = on_ipc  # called with each step message's IPC seconds, from the reader thread
@@ -143,7 +144,7 @@ class ProcessClient(EngineClient):
             logger.exception("the engine-core reader failed")
         finally:
             self._fail_active(self.admission.closed_message or UNLOADING_MESSAGE)
-            self.outbox.put(None)
+            self._post(None)
 
     def _deliver(self, message: CoreOutputs, now: float) -> None:
         if message.stepped and self.on_ipc is not None:
@@ -154,13 +155,13 @@ class ProcessClient(EngineClient):
                 if output.finished:
                     self._active.discard(output.request_id)
         if message.outputs or message.stepped:
-            self.outbox.put(engine_outputs(message.outputs, message.stats, now))
+            self._post(engine_outputs(message.outputs, message.stats, now))
 
     def _fail_active(self, message: str) -> None:
         with self._lock:
             failed, self._active = self._active, set()
         if failed:
-            self.outbox.put(engine_outputs([error_output(request_id, message) for request_id in failed], empty_stats()))
+            self._post(engine_outputs([error_output(request_id, message) for request_id in failed], empty_stats()))
 
     def _recover(self, reason: str) -> None:
         """The core is gone: its requests end with ``reason``, and a new core starts."""
@@ -181,7 +182,7 @@ class ProcessClient(EngineClient):
                     if self.admission.draining:
                         self._process.send(CoreInput(drain_grace=0.0))
                 logger.warning("engine core restarted (pid %d)", ready.pid)
-                self.outbox.put(engine_outputs([], empty_stats(ready.num_kv_blocks)))
+                self._post(engine_outputs([], empty_stats(ready.num_kv_blocks)))
                 return
             except CoreStartError:
                 logger.exception("restarting the engine core failed; retrying in %g s", RESTART_BACKOFF_SECONDS)

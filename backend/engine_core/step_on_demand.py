@@ -68,8 +68,8 @@ class StepTransport(Protocol):
 
 
 class StepOnDemandClient(EngineClient):
-    def __init__(self, transport: StepTransport, max_queue_len: int):
-        super().__init__(max_queue_len)
+    def __init__(self, transport: StepTransport, max_queue_len: int, max_requests_per_client: int = 0):
+        super().__init__(max_queue_len, max_requests_per_client=max_requests_per_client)
         self.transport = transport
         self._adds: list[AddRequest] = []
         self._aborts: list[str] = []
@@ -95,9 +95,10 @@ class StepOnDemandClient(EngineClient):
             outputs, stats = self.transport.iterate(adds, aborts, step)
         except Exception:
             self.admission.engine_reported(0, self._sent)  # nothing waits in a lost core
+            self.admission.clients.release_all()  # nor runs: the caller loses every request
             raise
         self.admission.engine_reported(stats.num_waiting, self._sent)
-        self.outbox.put(engine_outputs(outputs, stats))
+        self._post(engine_outputs(outputs, stats))
 
     def _drain(self, grace_seconds: float) -> None:
         self.transport.begin_drain(grace_seconds)
@@ -107,7 +108,7 @@ class StepOnDemandClient(EngineClient):
         message = message or UNLOADING_MESSAGE
         self.admission.close(message)
         self.transport.shutdown(message)
-        self.outbox.put(None)
+        self._post(None)
 
 
 class InProcessTransport:

@@ -19,6 +19,7 @@ from backend.engine.input_processor import EngineInputError, InputProcessor
 from backend.engine_core.admission import BusyError
 from backend.engine_core.engine_client import EngineClient
 from backend.engine_core.messages import AddRequest
+from backend.triton.client_priority import ClientPriorityRange
 from backend.triton.helpers import input_getter, requested_outputs, send_error
 from backend.triton.inputs import InputError, parse_request
 from backend.triton.response_state import ResponseState
@@ -30,13 +31,15 @@ OnAccept = Callable[[ResponseState, object], None]  # (the request's state, its 
 
 class RequestAdmission:
     def __init__(self, pb, engine: EngineClient, inputs: InputProcessor, default_max_tokens: int,
-                 max_prompt_bytes: int | None = None, stream_interval: int = 1):
+                 max_prompt_bytes: int | None = None, stream_interval: int = 1,
+                 priorities: ClientPriorityRange = ClientPriorityRange()):
         self.pb = pb
         self.engine = engine
         self.inputs = inputs
         self.default_max_tokens = default_max_tokens
         self.max_prompt_bytes = max_prompt_bytes
         self.stream_interval = stream_interval  # config.pbtxt's; a request's sampling_parameters may override it
+        self.priorities = priorities  # what a client may claim (backend/triton/client_priority.py)
 
     def admit(self, request, sender, request_id: str, arrival_time: float, on_accept: OnAccept) -> ResponseState | None:
         """The accepted request's state, or None once it was answered (see the module docstring)."""
@@ -56,6 +59,7 @@ class RequestAdmission:
         try:
             parsed = parse_request(input_getter(pb, request), self.default_max_tokens,
                                    self.inputs.check_sampling_params, self.max_prompt_bytes)
+            self.priorities.apply(parsed.sampling_params)
             prompt, add_special_tokens = parsed.prompt, True
             if parsed.messages is not None:
                 prompt, add_special_tokens = self.inputs.render_chat(parsed.messages), False

@@ -17,6 +17,7 @@ import logging
 from backend.config import ConfigError
 from backend.engine.input_processor import InputProcessor
 from backend.engine_core.engine_client import EngineClient, make_engine_client
+from backend.triton.client_priority import parse_client_priority_range
 from backend.triton.helpers import (
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
     bool_parameter,
@@ -65,6 +66,7 @@ class EngineModel(abc.ABC):
         use_process, heartbeat_timeout = engine_process_options(parameters)
         self.stream_interval = positive_int_parameter(parameters, "stream_interval", 1)
         self.response_coalescing = bool_parameter(parameters, "response_coalescing", True)
+        self.client_priorities = parse_client_priority_range(parameters)
         self.metrics = metrics = TritonMetrics(pb_utils, self.model_name)
         ready_url = triton_readiness_url(parameters, self.model_name, str(args.get("model_version", "")))
         engine = make_engine_client(

@@ -39,6 +39,7 @@ from backend.engine_core.admission import UNLOADING_MESSAGE
 from backend.engine_core.engine_client import empty_stats
 from backend.engine_core.step_on_demand import CoreLost, StepOnDemandClient
 from backend.triton.admission import RequestAdmission
+from backend.triton.client_priority import ClientPriorityRange
 from backend.triton.engine_model import EngineModel
 from backend.triton.periodic import PeriodicThread
 from backend.triton.response_state import ResponseState
@@ -76,13 +77,15 @@ class IterativeDriver:
     """
 
     def __init__(self, pb, engine: StepOnDemandClient, inputs, model_name: str, default_max_tokens: int,
-                 metrics=None, max_prompt_bytes: int | None = None, stream_interval: int = 1):
+                 metrics=None, max_prompt_bytes: int | None = None, stream_interval: int = 1,
+                 priorities: ClientPriorityRange = ClientPriorityRange()):
         self.pb = pb
         self.engine = engine
         self.inputs = inputs
         self.model_name = model_name
         self.metrics = metrics
-        self.admission = RequestAdmission(pb, engine, inputs, default_max_tokens, max_prompt_bytes, stream_interval)
+        self.admission = RequestAdmission(pb, engine, inputs, default_max_tokens, max_prompt_bytes, stream_interval,
+                                          priorities)
         self.sequences: dict[object, Sequence] = {}  # correlation id -> sequence
         self._by_request_id: dict[str, object] = {}  # engine request id -> correlation id
 
@@ -283,7 +286,8 @@ class TritonPythonModel(EngineModel):
     def start_serving(self) -> None:
         self.driver = IterativeDriver(self.pb, self.engine, self.inputs, self.model_name,
                                       self.config.scheduler.default_max_tokens, self.metrics,
-                                      self.config.model.prompt_byte_limit, self.stream_interval)
+                                      self.config.model.prompt_byte_limit, self.stream_interval,
+                                      self.client_priorities)
         # See the module docstring: the engine is much slower on the stub's main thread. It is
         # also the only thread that touches the engine (execute() and the cancellation reaper).
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-iterative-engine")

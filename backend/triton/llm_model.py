@@ -30,7 +30,8 @@ class TritonPythonModel(EngineModel):
 
     def start_serving(self) -> None:
         self.admission = RequestAdmission(self.pb, self.engine, self.inputs, self.config.scheduler.default_max_tokens,
-                                          self.config.model.prompt_byte_limit, self.stream_interval)
+                                          self.config.model.prompt_byte_limit, self.stream_interval,
+                                          self.client_priorities)
         self.responder = Responder(self.pb, self.engine, self.metrics, self.inputs.tokenizer,
                                    coalesce=self.response_coalescing)
         self._ids = itertools.count()
