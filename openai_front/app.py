@@ -6,7 +6,9 @@ ready), ``GET /metrics`` (the front's own), and vLLM's ``POST /tokenize`` / ``PO
 (through Triton's `tokenizer` model). The front keeps no state between requests.
 
 Bounds: the body size, ``n``, ``max_tokens`` and prompts per request (openai_front/protocol.py),
-generations in flight (503 with Retry-After beyond ``max_concurrent``: nothing queues here), and
+generations in flight (503 with Retry-After beyond ``max_concurrent``: nothing queues here), one
+client's generations in flight (429 beyond ``max_streams_per_client``; the client is its API key's
+name, else its ``user`` field: openai_front/auth.py, which also checks the optional API key), and
 the silence allowed from Triton inside one generation (``idle_timeout_s``). A client that goes
 away cancels its gRPC request, while it waits for the first token (polled) and while it streams
 (Starlette cancels the body), so the engine frees its KV blocks.
@@ -25,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from openai_front.auth import OPEN_PATHS, ApiKeys
 from openai_front.errors import ApiError, bad_request
 from openai_front.metrics import FrontMetrics
 from openai_front.protocol import GenerationRequest, Limits, parse_chat, parse_completion
@@ -42,6 +45,8 @@ class FrontSettings:
     max_concurrent: int = 256  # generations in flight; beyond, 503
     max_body_bytes: int = 1 << 20
     idle_timeout_s: float = 300.0  # longest silence from Triton inside one generation
+    max_streams_per_client: int = 0  # one client's generations in flight; beyond, 429; 0: no cap
+    api_keys: ApiKeys = ApiKeys()  # none: no key needed
 
 
 class _Tally:
@@ -74,21 +79,33 @@ class ClientGone(Exception):
 
 
 class _Slots:
-    """Generations in flight, refused beyond the limit instead of queued."""
+    """Generations in flight, in all and per client, refused beyond the limits instead of queued."""
 
-    def __init__(self, limit: int, metrics: FrontMetrics):
-        self.limit, self.metrics, self.used = limit, metrics, 0
+    def __init__(self, limit: int, per_client: int, metrics: FrontMetrics):
+        self.limit, self.per_client, self.metrics, self.used = limit, per_client, metrics, 0
+        self.by_client: dict[str, int] = {}
 
-    def take(self) -> None:
+    def take(self, client: str) -> None:
         if self.used >= self.limit:
             self.metrics.refused.inc()
             raise ApiError(503, f"the front has {self.used} generations in flight (max_concurrent={self.limit}); "
                                 f"retry later", None, "service_unavailable", "service_unavailable")
+        mine = self.by_client.get(client, 0)
+        if self.per_client and mine >= self.per_client:
+            self.metrics.refused.inc()
+            who = f"client {client!r}" if client else "requests that name no user"
+            raise ApiError(429, f"{who} has {mine} generations in flight (max_streams_per_client="
+                                f"{self.per_client}); retry when one has finished", None, "rate_limit_exceeded",
+                           "rate_limit_exceeded")
         self.used += 1
+        self.by_client[client] = mine + 1
         self.metrics.active.inc()
 
-    def give(self) -> None:
+    def give(self, client: str) -> None:
         self.used -= 1
+        left = self.by_client.pop(client) - 1
+        if left:
+            self.by_client[client] = left
         self.metrics.active.dec()
 
 
@@ -193,7 +210,7 @@ class _CleanupStreamingResponse(StreamingResponse):
 
 def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> FastAPI:
     metrics = FrontMetrics()
-    slots = _Slots(settings.max_concurrent, metrics)
+    slots = _Slots(settings.max_concurrent, settings.max_streams_per_client, metrics)
     served = (settings.model,)
 
     @asynccontextmanager
@@ -203,6 +220,22 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
         await app.state.bridge.close()
 
     app = FastAPI(title="Triton LLM OpenAI-compatible API", lifespan=lifespan)
+
+    if settings.api_keys.required:
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next):
+            if request.url.path not in OPEN_PATHS:
+                identity = settings.api_keys.identify(request.headers.get("authorization"))
+                if identity is None:
+                    error = ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", None,
+                                     "invalid_request_error", "invalid_api_key")
+                    return JSONResponse(error.body(), status_code=401)
+                request.state.client = identity
+            return await call_next(request)
+
+    def client_of(request: Request, parsed: GenerationRequest) -> str:
+        """The API key's name when keys are required, else the body's ``user``."""
+        return getattr(request.state, "client", None) or parsed.user
 
     def error_response(endpoint: str, error: ApiError) -> JSONResponse:
         metrics.requests.labels(endpoint, str(error.status)).inc()
@@ -246,7 +279,10 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
         try:
             body = await read_json(request)
             parsed = (parse_chat if chat else parse_completion)(body, settings.limits, served)
-            slots.take()
+            client = client_of(request, parsed)
+            if client:
+                parsed.sampling["user"] = client  # the `llm` model's per-client cap counts it too
+            slots.take(client)
         except ApiError as error:
             return error_response(endpoint, error)
         request_id = new_id(chat)
@@ -259,7 +295,7 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
             if not released:
                 released = True
                 await generation.close()
-                slots.give()
+                slots.give(client)
 
         try:
             first = await generation.next(request)

@@ -2,8 +2,9 @@
 
 Every refusal is ``{"error": {"message", "type", "param", "code"}}`` with the field that caused it
 in ``param``. Triton's gRPC stream carries an error's text only (no status code), so the status
-comes from what the `llm` model says: busy and unloading are 503 (with Retry-After), our own
-failures 500, and anything else, which names the request's bad field, 400.
+comes from what the `llm` model says: one client over its cap is 429, busy and unloading are 503
+(both with Retry-After), our own failures 500, and anything else, which names the request's bad
+field, 400.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ TRITON_TO_OPENAI_FIELDS = {"text_input": "prompt", "messages": "messages", "samp
                            "max_tokens": "max_tokens", "stop_words": "stop"}
 UNAVAILABLE_MARKERS = ("server busy", "the model is being unloaded", "not ready", "unavailable",
                        "is shutting down", "draining")
+CLIENT_BUSY_MARKER = "server busy for "  # backend/engine_core/client_cap.py: one client at its cap
 INTERNAL_MARKERS = ("internal error",)
 RETRY_AFTER_SECONDS = 1
 
@@ -31,7 +33,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 503 else {}
+        return {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status in (429, 503) else {}
 
 
 def bad_request(param: str | None, message: str, code: str | None = None) -> ApiError:
@@ -41,6 +43,8 @@ def bad_request(param: str | None, message: str, code: str | None = None) -> Api
 def from_triton(message: str) -> ApiError:
     """An error Triton sent for a request, as the API error a client of OpenAI expects."""
     lowered = message.lower()
+    if CLIENT_BUSY_MARKER in lowered:
+        return ApiError(429, message, None, "rate_limit_exceeded", "rate_limit_exceeded")
     if any(marker in lowered for marker in UNAVAILABLE_MARKERS):
         return ApiError(503, message, None, "service_unavailable", "service_unavailable")
     if any(lowered.startswith(marker) for marker in INTERNAL_MARKERS):

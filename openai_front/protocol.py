@@ -5,7 +5,8 @@ A body becomes a GenerationRequest: the prompts (completions) or the messages (c
 (backend of the refusal: openai_front/errors.py): a wrong type, a value out of range, a field that
 would change generation and that we do not implement (``tools``, ``logit_bias``, ``suffix``,
 ``best_of`` above ``n``, ...), or a field we do not know at all. Fields that change nothing here
-(``user``, ``metadata``, ``store``, ...) are accepted and ignored, as OpenAI's server does. A
+(``metadata``, ``store``, ...) are accepted and ignored, as OpenAI's server does; ``user`` names the
+client for per-client limits. A
 field left out keeps the `llm` model's default (no temperature: greedy, as SmolLM2's
 generation_config.json asks with do_sample false).
 """
@@ -20,10 +21,11 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_p
                    "repetition_penalty", "ignore_eos", "min_tokens", "priority", "stop_token_ids",
                    "skip_special_tokens")
 STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
+MAX_USER_CHARS = 256  # as the `llm` model's sampling_parameters.user
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
                   "request_id")
 COMMON_FIELDS = frozenset({"model", "stream", "max_tokens", "n", "stop", "best_of", "logit_bias", "response_format",
-                           *SAMPLING_FIELDS, *STRUCTURED_FIELDS, *IGNORED_FIELDS})
+                           "user", *SAMPLING_FIELDS, *STRUCTURED_FIELDS, *IGNORED_FIELDS})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                "tool_choice", "functions", "function_call", "modalities", "audio",
                                "prediction", "reasoning_effort", "web_search_options", "add_generation_prompt"}
@@ -60,6 +62,7 @@ class GenerationRequest:
     echo: bool = False
     logprobs: int | None = None  # top tokens per position to return (0: the chosen one only); None: none
     sampling: dict = field(default_factory=dict)  # the `llm` model's sampling_parameters (vLLM's names)
+    user: str = ""  # OpenAI's user field: the client's identity for per-client limits when no API key names one
 
 
 def _check_type(name: str, value, kinds: tuple[type, ...], label: str):
@@ -210,7 +213,10 @@ def _common(body, chat: bool, limits: Limits, served_models: tuple[str, ...]) ->
         sampling["structured_outputs"] = structured
     if n > 1:
         sampling["n"] = n
-    return GenerationRequest(chat, model, stream, include_usage, n, sampling=sampling)
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise bad_request("user", f"user: expected a string of at most {MAX_USER_CHARS} characters")
+    return GenerationRequest(chat, model, stream, include_usage, n, sampling=sampling, user=user or "")
 
 
 def parse_chat(body, limits: Limits, served_models: tuple[str, ...]) -> GenerationRequest:
