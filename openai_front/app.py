@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from openai_front.auth import OPEN_PATHS, ApiKeys
 from openai_front.errors import ApiError, bad_request
 from openai_front.metrics import FrontMetrics
+from openai_front.orphan_watch import ORPHAN_CHECK_SECONDS, OrphanWatch
 from openai_front.protocol import GenerationRequest, Limits, parse_chat, parse_completion
 from openai_front.responses import Choice, ChunkWriter, Usage, full_response, new_id
 from openai_front.triton_bridge import Piece, TritonBridge
@@ -149,38 +150,40 @@ async def _merged(generations: list[AsyncIterator[Piece]], n: int) -> AsyncItera
 
 
 class _Generation:
-    """One request's merged pieces, read with the idle timeout and, optionally, a disconnect watch."""
+    """One request's merged pieces, read with the idle timeout, a watch for a model reload that
+    orphaned it (openai_front/orphan_watch.py) and, optionally, a disconnect watch."""
 
-    def __init__(self, pieces: AsyncIterator[tuple[int, Piece]], idle_timeout_s: float):
+    def __init__(self, pieces: AsyncIterator[tuple[int, Piece]], idle_timeout_s: float,
+                 orphans: OrphanWatch | None = None):
         self.pieces = pieces
         self.idle_timeout_s = idle_timeout_s
+        self.orphans = orphans
 
     async def next(self, request: Request | None = None) -> tuple[int, Piece] | None:
         """The next (index, piece); None at the end. ``request``: give up with ClientGone when it
         disconnects meanwhile (while streaming, Starlette cancels the body instead: no polling)."""
-        if request is None:
-            try:
-                async with asyncio.timeout(self.idle_timeout_s):
-                    return await anext(self.pieces)
-            except StopAsyncIteration:
-                return None
-            except TimeoutError:
-                raise self._timed_out() from None
         task = asyncio.ensure_future(self.pieces.__anext__())
-        deadline = time.monotonic() + self.idle_timeout_s
+        waited_since = time.monotonic()
+        deadline = waited_since + self.idle_timeout_s
+        poll = DISCONNECT_POLL_SECONDS if request is not None else ORPHAN_CHECK_SECONDS
         try:
             while True:
-                timeout = min(DISCONNECT_POLL_SECONDS, max(0.0, deadline - time.monotonic()))
+                timeout = min(poll, max(0.0, deadline - time.monotonic()))
                 done, _ = await asyncio.wait({task}, timeout=timeout)
                 if done:
                     try:
-                        return task.result()
+                        piece = task.result()
                     except StopAsyncIteration:
                         return None
-                if await request.is_disconnected():
+                    if self.orphans is not None:
+                        self.orphans.heard()
+                    return piece
+                if request is not None and await request.is_disconnected():
                     raise ClientGone()
                 if time.monotonic() >= deadline:
                     raise self._timed_out()
+                if self.orphans is not None and time.monotonic() - waited_since >= ORPHAN_CHECK_SECONDS:
+                    await self.orphans.check()
         finally:
             if not task.done():
                 task.cancel()
@@ -287,7 +290,7 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
             return error_response(endpoint, error)
         request_id = new_id(chat)
         pieces = _merged(generations(request.app.state.bridge, parsed, request_id), parsed.n)
-        generation = _Generation(pieces, settings.idle_timeout_s)
+        generation = _Generation(pieces, settings.idle_timeout_s, OrphanWatch(request.app.state.bridge.ready))
         released = False
 
         async def release() -> None:

@@ -90,3 +90,52 @@ def test_a_client_gone_before_the_first_token_cancels_the_generation():
 
     closed, polls = asyncio.run(run())
     assert closed and polls == 3  # noticed on the first poll that saw the disconnect
+
+
+def test_a_stream_silent_across_a_model_reload_ends_with_a_503(monkeypatch):
+    import openai_front.app as app_module
+    import openai_front.orphan_watch as orphan_module
+    from openai_front.orphan_watch import OrphanWatch
+
+    monkeypatch.setattr(app_module, "ORPHAN_CHECK_SECONDS", 0.05)
+    monkeypatch.setattr(orphan_module, "ORPHAN_CHECK_SECONDS", 0.05)
+    states = iter([True, False, False, True])
+
+    async def ready():
+        return next(states, True)
+
+    async def run():
+        source = Source([piece(0, "never")], delay=30.0)
+        generation = _Generation(_merged([source.run()], 1), idle_timeout_s=20.0, orphans=OrphanWatch(ready))
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(ApiError) as orphaned:
+            await generation.next()
+        await generation.close()
+        return orphaned.value, asyncio.get_running_loop().time() - started, source.closed
+
+    error, seconds, closed = asyncio.run(run())
+    assert error.status == 503 and error.code == "model_reloaded" and "retry" in error.message
+    assert seconds < 2.0 and closed
+
+
+def test_a_stream_that_keeps_talking_through_an_unready_model_is_left_alone(monkeypatch):
+    import openai_front.app as app_module
+    import openai_front.orphan_watch as orphan_module
+    from openai_front.orphan_watch import OrphanWatch
+
+    monkeypatch.setattr(app_module, "ORPHAN_CHECK_SECONDS", 0.06)
+    monkeypatch.setattr(orphan_module, "ORPHAN_CHECK_SECONDS", 0.06)
+    flips = iter([False, True] * 100)
+
+    async def ready():  # one check per silence: unready in one, ready again in the next
+        return next(flips, True)
+
+    async def run():
+        source = Source([piece(0, str(i)) for i in range(6)], delay=0.1)
+        generation = _Generation(_merged([source.run()], 1), idle_timeout_s=5.0, orphans=OrphanWatch(ready))
+        texts = []
+        while (item := await generation.next()) is not None:
+            texts.append(item[1].text)
+        return texts
+
+    assert asyncio.run(run()) == [str(i) for i in range(6)]
