@@ -201,8 +201,10 @@ class StreamingClient:
     def __enter__(self) -> StreamingClient:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        # Leaving on an error (a TimeoutError above all) cancels what is still open: a stream the
+        # server never ends (a dead decoupled stub's) would hold a plain stop_stream() forever.
+        self.close(cancel_requests=exc_type is not None)
 
     def send(self, prompt: str | None, request_id: str | None = None, **options) -> str:
         """Starts one request on the stream; returns its id."""

@@ -265,7 +265,12 @@ def start_server(
         cache_dir = installation.wheel_root / "caches"
         if cache_dir.exists():
             command.append(f"--cache-directory={cache_dir}")
-    command += list(extra_args or [])
+    extra = list(extra_args or [])
+    if not any(arg.startswith("--model-control-mode") for arg in extra):
+        # Explicit control with every model loaded at start serves as the default mode does, and lets
+        # a model whose stub died be unloaded and loaded again (on_stub_death reload).
+        command += ["--model-control-mode=explicit", "--load-model=*"]
+    command += extra
     if log_path == "-":
         stdout, resolved_log = None, None
     else:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import abc
 import logging
+import os
 
 from backend.config import ConfigError
 from backend.engine.input_processor import InputProcessor
 from backend.engine_core.engine_client import EngineClient, make_engine_client
+from backend.engine_core.stub_watch import recorded_recoveries
 from backend.triton.client_priority import parse_client_priority_range
 from backend.triton.helpers import (
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
@@ -68,10 +70,15 @@ class EngineModel(abc.ABC):
         self.response_coalescing = bool_parameter(parameters, "response_coalescing", True)
         self.client_priorities = parse_client_priority_range(parameters)
         self.metrics = metrics = TritonMetrics(pb_utils, self.model_name)
+        # The dead stub's counter lives on in tritonserver (a family is kept by name and labels), so
+        # it is brought up to the recorded count (backend/engine_core/stub_watch.py), not added to.
+        recoveries = len(recorded_recoveries(os.getppid(), self.model_name))
+        if recoveries > metrics.stub_recoveries.value():
+            metrics.stub_recoveries.increment(recoveries - metrics.stub_recoveries.value())
         ready_url = triton_readiness_url(parameters, self.model_name, str(args.get("model_version", "")))
         engine = make_engine_client(
             self.config, step_on_demand=self.step_on_demand, in_process=not use_process,
-            heartbeat_timeout=heartbeat_timeout, stub_watch=stub_watch(parameters, ready_url) if use_process else None,
+            heartbeat_timeout=heartbeat_timeout, stub_watch=stub_watch(parameters, ready_url, self.model_name) if use_process else None,
             on_restart=lambda reason: metrics.engine_restarts.increment(1), on_ipc=metrics.core_ipc.observe)
         try:
             self.inputs = start_engine(engine, self.model_name, self.config.model.tokenizer_dir)

@@ -156,17 +156,19 @@ def engine_process_options(parameters: dict[str, str]) -> tuple[bool, float]:
     return use_process, timeout
 
 
-STUB_DEATH_ACTIONS = ("stop_server", "ignore")
+STUB_DEATH_ACTIONS = ("reload", "stop_server", "ignore")
 
 
-def stub_watch(parameters: dict[str, str], ready_url: str | None):
-    """The parameter ``on_stub_death`` as the engine core's StubWatch (backend/engine_core/stub_watch.py):
-    ``stop_server`` (default) stops tritonserver when this model's stub dies while it serves, since
-    Triton restarts no decoupled stub; ``ignore`` leaves it (its streams then hang). None without an
-    HTTP readiness URL: the core could not tell a killed stub from an unload."""
+def stub_watch(parameters: dict[str, str], ready_url: str | None, model_name: str = "llm"):
+    """The parameter ``on_stub_death`` as the engine core's StubWatch (backend/engine_core/stub_watch.py),
+    for when this model's stub dies while it serves (Triton restarts no decoupled stub): ``reload``
+    (default) unloads and loads the model through Triton's model-control API, which needs
+    ``--model-control-mode=explicit`` (without it: ``stop_server``, with a warning); ``stop_server``
+    stops tritonserver for its supervisor to restart; ``ignore`` leaves it (its streams then hang).
+    None without an HTTP readiness URL: the core could not tell a killed stub from an unload."""
     from backend.engine_core.stub_watch import StubWatch  # noqa: PLC0415
 
-    action = parameters.get("on_stub_death", "stop_server").strip().lower() or "stop_server"
+    action = parameters.get("on_stub_death", "reload").strip().lower() or "reload"
     if action not in STUB_DEATH_ACTIONS:
         raise ConfigError(f"parameter 'on_stub_death': one of {', '.join(STUB_DEATH_ACTIONS)}, "
                           f"got {parameters['on_stub_death']!r}")
@@ -175,9 +177,18 @@ def stub_watch(parameters: dict[str, str], ready_url: str | None):
     if ready_url is None:
         logger.warning("on_stub_death: no Triton HTTP endpoint to tell a killed stub from an unload: not watched")
         return None
-    from backend.triton.drain import exit_timeout_from_command_line, parent_command_line  # noqa: PLC0415
+    from backend.triton import drain  # noqa: PLC0415
 
-    return StubWatch(os.getppid(), ready_url, exit_timeout_from_command_line(parent_command_line()) + 5.0)
+    argv = drain.parent_command_line()
+    kill_after = drain.exit_timeout_from_command_line(argv) + 5.0
+    if action == "reload":
+        control_mode = (drain.tritonserver_options(argv) or {}).get("model-control-mode", "none").lower()
+        http_url = parameters.get("triton_http_url", "").strip() or drain.http_url_from_command_line(argv)
+        if control_mode == "explicit" and http_url:
+            return StubWatch(os.getppid(), ready_url, kill_after, reload_model=model_name, http_url=http_url)
+        logger.warning("on_stub_death reload: tritonserver runs with --model-control-mode=%s, which refuses "
+                       "unload and load; a dead stub stops the server instead (stop_server)", control_mode)
+    return StubWatch(os.getppid(), ready_url, kill_after)
 
 
 def triton_readiness_url(parameters: dict[str, str], model_name: str, version: str) -> str | None:

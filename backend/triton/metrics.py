@@ -140,6 +140,8 @@ class TritonMetrics:
                                  "KV blocks saved by sharing (prefix hits, forked samples): references beyond the first", G)
         _, self.engine_restarts = make("llm_engine_restarts_total",
                                       "Engine-core processes that died or hung and were restarted", C)
+        _, self.stub_recoveries = make("llm_stub_recoveries_total",
+                                       "Times this model's stub died while serving and the model was reloaded", C)
         _, self.core_ipc = make("llm_engine_core_ipc_seconds",
                                 "A step's outputs from the engine-core process to the front end", H, IPC_BUCKETS)
         _, self.grammar_compile = make("llm_structured_output_compile_seconds",

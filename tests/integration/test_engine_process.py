@@ -186,25 +186,27 @@ def stub_pids(marker: str) -> list[int]:
 
 
 @pytest.mark.reliability
-@pytest.mark.parametrize("model", ["llm", "llm_iterative"])
-def test_kill_9_of_the_stub_ends_every_stream_and_the_launcher_brings_the_server_back(tmp_path, demo_model_dir,
-                                                                                      model):
-    """Issue 20's stub crash. Triton 2.51 never restarts a decoupled model's stub, and nothing but
-    the dead stub could answer its streams, so the core (its child) stops tritonserver once it
-    sees the stub gone while the model still serves (backend/engine_core/stub_watch.py): every
-    stream ends with an error, the model is not ready meanwhile, `python -m backend.server.launcher`
-    starts the server again and the next request gets the same greedy text as before."""
+def test_kill_9_of_the_stub_with_stop_server_ends_every_stream_and_the_launcher_brings_the_server_back(
+        tmp_path, demo_model_dir):
+    """Issue 20's stub crash with ``on_stub_death: stop_server``. Triton 2.51 never restarts a
+    decoupled model's stub, and nothing but the dead stub could answer its streams, so the core
+    (its child) stops tritonserver once it sees the stub gone while the model still serves
+    (backend/engine_core/stub_watch.py): every stream ends with an error, the model is not ready
+    meanwhile, `python -m backend.server.launcher` starts the server again and the next request
+    gets the same greedy text as before. (The default, ``reload``: test_stub_recovery.py.)"""
     import subprocess
     import sys
 
     from backend.server.launcher import free_port, stop_process_group
     from tests.integration.conftest import write_model_repository
 
-    repo = write_model_repository(tmp_path / "repo", demo_model_dir, models=(model,))
+    model = "llm"
+    repo = write_model_repository(tmp_path / "repo", demo_model_dir, {"on_stub_death": "stop_server"}, models=(model,))
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     launcher = subprocess.Popen(
         [sys.executable, "-m", "backend.server.launcher", "--model-repository", str(repo), "--http-port", str(http_port),
-         "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--", "--exit-timeout-secs=5"],
+         "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--no-openai", "--",
+         "--exit-timeout-secs=5"],
         stdout=open(tmp_path / "launcher.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
         start_new_session=True, cwd=str(MODEL_REPOSITORY.parent.parent))
     http = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")

@@ -101,3 +101,60 @@ def test_a_zombie_counts_as_gone():
         time.sleep(0.05)
     assert kill_when_stuck(server.pid, 5) == 0
     server.wait()
+
+
+def test_crash_loop_backoff_grows_and_forgets_old_recoveries():
+    from backend.engine_core.stub_watch import CRASH_LOOP_WINDOW_SECONDS, MAX_BACKOFF_SECONDS, backoff_seconds
+
+    now = 10_000.0
+    assert backoff_seconds([], now) == 0.0
+    assert backoff_seconds([now - 5], now) == 1.0
+    assert backoff_seconds([now - 5, now - 4, now - 3], now) == 4.0
+    assert backoff_seconds([now - CRASH_LOOP_WINDOW_SECONDS - 1] * 5, now) == 0.0
+    assert backoff_seconds([now - 1] * 50, now) == MAX_BACKOFF_SECONDS
+
+
+def test_reload_unloads_then_loads_and_records_the_recovery(tmp_path, monkeypatch):
+    """Against a stand-in for Triton's model-control API: unload, then load, in that order."""
+    import tempfile
+
+    from backend.engine_core import stub_watch
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    calls = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            calls.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    alive = sleeper()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        assert stub_watch.reload_model(url, "llm", alive.pid) == 0
+        assert calls == ["/v2/repository/models/llm/unload", "/v2/repository/models/llm/load"]
+        assert len(stub_watch.recorded_recoveries(alive.pid, "llm")) == 1
+        assert stub_watch.recorded_recoveries(alive.pid, "other") == []
+    finally:
+        alive.kill()
+        server.shutdown()
+        server.server_close()
+
+
+def test_reload_gives_up_when_the_server_is_gone(tmp_path, monkeypatch):
+    import tempfile
+
+    from backend.engine_core import stub_watch
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert stub_watch.reload_model("http://127.0.0.1:9", "llm", gone.pid) == 1

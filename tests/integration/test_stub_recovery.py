@@ -1,0 +1,169 @@
+"""A killed Python-backend stub brings its model back by itself (``on_stub_death: reload``).
+
+Triton 2.51 restarts no decoupled stub and ends none of its streams. Through our launcher
+(tritonserver with explicit model control), SIGKILL of the `llm` stub mid-stream: the engine core
+sees its parent go and has the model unloaded and loaded again (backend/engine_core/stub_watch.py);
+within 10 s the model serves the same greedy text, nothing sent after the recovery hangs,
+``llm_stub_recoveries_total`` counts it, and a second crash recovers too (after its back-off).
+The OpenAI front's streams on the dead stub end with a 503 the client can retry
+(openai_front/orphan_watch.py); gRPC streams on it stay open until their client gives up, which
+client.stream's StreamingClient now does without hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import httpx2 as httpx
+import pytest
+import tritonclient.http as httpclient
+
+from backend.server.launcher import free_port, stop_process_group
+from client.stream import StreamingClient
+from tests.integration.conftest import MODEL_REPOSITORY, write_model_repository
+from tests.integration.test_engine_process import stub_pids, wait_for
+from tests.integration.test_llm_model import metric, read_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.reliability]
+
+RECOVERY_LIMIT_SECONDS = 10.0
+GRPC_CLIENT_TIMEOUT_SECONDS = 20.0
+
+
+def front_stream(base_url: str, outcome: dict) -> None:
+    """One streamed completion through the front; records its events and how it ended."""
+    body = {"model": "llm", "prompt": "a long story", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    events = []
+    try:
+        with httpx.Client(timeout=60) as client, client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+            outcome["status"] = response.status_code
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if line[6:] != "[DONE]" and "error" in json.loads(line[6:]):
+                        outcome["error_at"] = time.monotonic()
+    except Exception as exc:  # recorded, asserted below
+        outcome["exception"] = repr(exc)
+    outcome["events"] = events
+    outcome["ended_at"] = time.monotonic()
+
+
+def grpc_stream(grpc_url: str, model: str, outcome: dict) -> None:
+    try:
+        with StreamingClient(grpc_url, model) as client:
+            result = client.generate("a long story", max_tokens=1900, ignore_eos=True, stream=True,
+                                     timeout=GRPC_CLIENT_TIMEOUT_SECONDS)
+        outcome["result"] = result
+    except Exception as exc:
+        outcome["exception"] = exc
+    outcome["ended_at"] = time.monotonic()
+
+
+def kill_and_time_recovery(repo, model: str, model_ready) -> tuple[float, int]:
+    (stub,) = stub_pids(str(repo))
+    os.kill(stub, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(lambda: not stub_pids(str(repo)) or stub_pids(str(repo)) != [stub], 30, "the stub to go")
+    time.sleep(0.3)
+    wait_for(lambda: model_ready() and stub_pids(str(repo)) and stub_pids(str(repo)) != [stub], 60,
+             "the model to be reloaded")
+    return killed_at, stub
+
+
+@pytest.mark.parametrize("model", ["llm", "llm_iterative"])
+def test_kill_9_of_the_stub_reloads_the_model_within_10_s(tmp_path, demo_model_dir, model):
+    repo = write_model_repository(tmp_path / "repo", demo_model_dir, models=(model,))
+    http_port, grpc_port, metrics_port, openai_port = free_port(), free_port(), free_port(), free_port()
+    with_front = model == "llm"
+    command = [sys.executable, "-m", "backend.server.launcher", "--model-repository", str(repo),
+               "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+               *(["--openai-port", str(openai_port)] if with_front else ["--no-openai"]), "--", "--exit-timeout-secs=5"]
+    launcher = subprocess.Popen(command, stdout=open(tmp_path / "launcher.log", "wb"),  # noqa: SIM115
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=str(MODEL_REPOSITORY.parent.parent))
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
+    grpc_url, front_url = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{openai_port}"
+    metrics = types.SimpleNamespace(metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
+
+    def model_ready():
+        try:
+            return http.is_model_ready(model)
+        except Exception:
+            return False
+
+    def greedy() -> str:
+        with StreamingClient(grpc_url, model) as client:
+            result = client.generate("the same prompt", max_tokens=8, ignore_eos=True, stream=True, timeout=30)
+        assert result.error is None, result.error
+        return result.text
+
+    try:
+        wait_for(model_ready, 300, "the first server")
+        if with_front:
+            wait_for(lambda: httpx.get(f"{front_url}/health", timeout=2).status_code == 200, 60, "the front")
+        before = greedy()
+        front_outcomes = [{} for _ in range(2 if with_front else 0)]
+        grpc_outcome: dict = {}
+        threads = [threading.Thread(target=front_stream, args=(front_url, o), daemon=True) for o in front_outcomes]
+        threads.append(threading.Thread(target=grpc_stream, args=(grpc_url, model, grpc_outcome), daemon=True))
+        for thread in threads:
+            thread.start()
+        time.sleep(3)  # every stream is decoding
+        killed_at, _ = kill_and_time_recovery(repo, model, model_ready)
+        back_after = time.monotonic() - killed_at
+        after = greedy()
+        served_after = time.monotonic() - killed_at
+        assert after == before
+        assert served_after < RECOVERY_LIMIT_SECONDS, f"served again {served_after:.1f} s after the kill"
+
+        # Nothing sent after the recovery hangs: a burst of streams all end with their text.
+        results = []
+        burst = [threading.Thread(target=lambda i=i: results.append(_short(grpc_url, model, i)), daemon=True)
+                 for i in range(4)]
+        for thread in burst:
+            thread.start()
+        for thread in burst:
+            thread.join(60)
+        assert len(results) == 4 and all(r.error is None and len(r.token_ids) == 6 for r in results), results
+
+        for thread in threads:
+            thread.join(GRPC_CLIENT_TIMEOUT_SECONDS + 30)
+        for outcome in front_outcomes:
+            assert outcome.get("status") == 200, outcome
+            assert outcome["events"][-1] == "[DONE]", outcome["events"][-3:]
+            error = json.loads(outcome["events"][-2])["error"]
+            assert error["code"] == "model_reloaded" and "retry" in error["message"], error
+            assert outcome["error_at"] - killed_at < RECOVERY_LIMIT_SECONDS + 3
+        grpc_seen = grpc_outcome.get("exception") or grpc_outcome.get("result")
+        assert "ended_at" in grpc_outcome  # the gRPC client gave up on its own timeout, without hanging
+        recoveries = metric(read_metrics(metrics), "llm_stub_recoveries_total", model=model)
+        assert recoveries == 1
+        front_ends = [f"{o['error_at'] - killed_at:.1f}" for o in front_outcomes]
+        print(f"\n{model} stub killed: reloaded after {back_after:.1f} s, served again after {served_after:.1f} s; "
+              f"front streams ended with model_reloaded at {front_ends} s; gRPC stream: {grpc_seen!r:.120}")
+
+        # A second crash recovers as well, after its back-off (1 s for the second within the window).
+        killed_at, _ = kill_and_time_recovery(repo, model, model_ready)
+        assert greedy() == before
+        second = time.monotonic() - killed_at
+        assert second < RECOVERY_LIMIT_SECONDS + 2, second
+        assert metric(read_metrics(metrics), "llm_stub_recoveries_total", model=model) == 2
+        print(f"second kill: served again after {second:.1f} s")
+        assert launcher.poll() is None
+    finally:
+        http.close()  # an open keep-alive connection holds tritonserver's stop for its exit timeout
+        stop_process_group(launcher, 60)
+    log = (tmp_path / "launcher.log").read_text(errors="replace")
+    assert "reloaded in" in log, log[-3000:]
+    assert "restarting it (restart" not in log  # the server itself never went down
+
+
+def _short(grpc_url: str, model: str, index: int):
+    with StreamingClient(grpc_url, model) as client:
+        return client.generate(f"after the recovery {index}", max_tokens=6, ignore_eos=True, stream=True, timeout=30)
