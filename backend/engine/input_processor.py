@@ -2,14 +2,17 @@
 
 This runs in the front end (Triton's stub process) when the engine core has its own process, and
 inside ``LLMEngine`` otherwise: one check, one chat rendering and one tokenization for both. It
-needs the tokenizer and two numbers of the model (vocabulary size and max_model_len), not the model.
+needs the tokenizer and two numbers of the model (vocabulary size and max_model_len), not the model,
+and the structured-output bounds to refuse a constraint over budget before it is ever compiled.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from backend.config import StructuredOutputConfig
 from backend.engine.request import SamplingParams, SamplingParamsError
+from backend.structured_output.budget import check_budget
 from backend.structured_output.spec import StructuredOutputError, check_spec
 
 CHECKED_CONSTRAINTS = 256  # constraints remembered as valid, so a repeated schema is checked once
@@ -20,10 +23,14 @@ class EngineInputError(ValueError):
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
+                 structured_output: StructuredOutputConfig | None = None):
+        """``structured_output``: the budget a constraint must fit (backend/structured_output/budget.py);
+        None checks no budget here (the engine still does when the request is added)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.structured_output = structured_output
         self._valid_constraints: OrderedDict[str, None] = OrderedDict()  # cache keys, LRU
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -64,13 +71,16 @@ class InputProcessor:
             )
 
     def _check_constraint(self, params: SamplingParams) -> None:
-        """The constraint compiles (tokenizer-free, about a millisecond); refused here, not in the step."""
+        """The constraint fits the budget, then compiles (tokenizer-free, about a millisecond); refused
+        here, not in the step."""
         spec = params.structured_outputs
         key = spec.cache_key
         if key in self._valid_constraints:
             self._valid_constraints.move_to_end(key)
             return
         try:
+            if self.structured_output is not None:
+                check_budget(spec, self.structured_output)
             check_spec(spec)
         except StructuredOutputError as exc:
             raise EngineInputError(str(exc)) from None
