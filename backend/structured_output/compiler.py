@@ -1,20 +1,33 @@
-"""Compiles constraints into xgrammar token-mask grammars off the engine step, with a cache.
+"""Compiles constraints into xgrammar token-mask grammars off the engine step, with a cache, under a timeout.
 
-The tokenizer's vocabulary is prepared once (``xgrammar.TokenizerInfo``, 0.15 s for SmolLM2's 49k
-tokens, measured). Each distinct constraint compiles once on a small thread pool; requests carry
-the ``Future`` and wait in the queue (not in the batch) until it resolves. The cache is an LRU of
-futures keyed by ``StructuredOutputSpec.cache_key``, so a schema sent by a thousand requests, even
-at the same moment, compiles once. Compile times and cache hits feed the metrics.
+The tokenizer's vocabulary is prepared once (``xgrammar.TokenizerInfo``). Each distinct constraint
+is first compiled by the compile worker, a process of its own at a low CPU priority
+(compile_worker.py), under ``timeout_seconds`` of its CPU time: one that runs past it is killed
+with its worker and fails its requests with the timeout named, and a new worker takes the next
+compiles, so a hostile constraint costs the engine core nothing. A constraint the worker compiled
+in time is compiled again here, on one thread (bounded work now: the worker just did it). Requests
+carry the ``Future`` and wait in the queue (not in the batch) until it resolves.
+
+The cache is an LRU of futures keyed by ``StructuredOutputSpec.cache_key``, so a constraint sent by
+a thousand requests, even at the same moment, compiles once. Failures stay cached, a timeout too
+(it counts CPU time, so the same constraint would time out again; a client repeating it must not
+tie up the worker each time). A compile interrupted for a reason that may not be the constraint's
+(its worker died, or a busy machine left it no CPU) is forgotten: the next request for it compiles
+again. Compile times and cache hits feed the metrics.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from backend.config import StructuredOutputConfig
+from backend.structured_output.compile_worker import CompileInterrupted, CompileWorker, CompileWorkerError
 from backend.structured_output.spec import (
     StructuredOutputError,
     StructuredOutputSpec,
@@ -25,28 +38,42 @@ from backend.structured_output.spec import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_ENTRIES = 256
-DEFAULT_COMPILE_THREADS = 1  # two cores here: one compiles while the other steps
+DEFAULT_TIMEOUT_SECONDS = StructuredOutputConfig().structured_output_compile_timeout_seconds
 
 
 class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 threads: int = DEFAULT_COMPILE_THREADS, cache_entries: int = DEFAULT_CACHE_ENTRIES):
-        """``vocab_size`` is the model's (its logits' width), which may exceed the tokenizer's."""
+                 timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS, cache_entries: int = DEFAULT_CACHE_ENTRIES):
+        """``vocab_size`` is the model's (its logits' width), which may exceed the tokenizer's.
+
+        Starts the compile worker and waits for it: raises CompileWorkerError when it cannot start."""
         import xgrammar  # noqa: PLC0415
 
         started = time.perf_counter()
         self.tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
-        self._compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
+        self.timeout_seconds = timeout_seconds
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._cache_entries = cache_entries
         self._lock = threading.Lock()
         self.num_compiles = 0  # constraints compiled (cache misses)
         self.num_cache_hits = 0  # requests whose constraint was compiled or compiling already
-        self._compile_seconds: list[float] = []  # finished compiles not yet taken by the metrics
-        logger.info("structured output: vocabulary of %d tokens prepared in %.2f s", vocab_size,
+        self._runner = _Runner(self.tokenizer_info, timeout_seconds)
+        self._close = weakref.finalize(self, self._runner.close)  # a compiler no one holds ends its worker
+        worker_seconds = self._runner.start()
+        logger.info("structured output: vocabulary of %d tokens prepared, compile worker %d started in %.2f s "
+                    "(in all %.2f s)", vocab_size, self._runner.worker.pid, worker_seconds,
                     time.perf_counter() - started)
+
+    @property
+    def worker(self) -> CompileWorker:
+        """The compile worker's handle (its ``pid`` is the process compiling now)."""
+        return self._runner.worker
+
+    def is_cached(self, spec: StructuredOutputSpec) -> bool:
+        """The constraint is compiled or compiling (or failed and remembered): ``compile`` is a hit."""
+        with self._lock:
+            return spec.cache_key in self._cache
 
     def compile(self, spec: StructuredOutputSpec) -> Future:
         """A future of the spec's ``xgrammar.CompiledGrammar``; it fails with StructuredOutputError."""
@@ -58,30 +85,137 @@ class GrammarCompiler:
                 self.num_cache_hits += 1
                 return future
             self.num_compiles += 1
-            future = self._pool.submit(self._compile, spec)
+            future = Future()
             self._cache[key] = future
             while len(self._cache) > self._cache_entries:
                 self._cache.popitem(last=False)
-            return future
-
-    def _compile(self, spec: StructuredOutputSpec):
-        started = time.perf_counter()
-        try:
-            compiled = self._compiler.compile_grammar(to_grammar(spec))
-        except Exception as exc:
-            raise StructuredOutputError(f"{spec.key}: does not compile: {xgrammar_message(exc)}") from None
-        finally:
-            seconds = time.perf_counter() - started
-            with self._lock:
-                self._compile_seconds.append(seconds)
-        logger.debug("structured output: %s compiled in %.1f ms", spec.kind, seconds * 1e3)
-        return compiled
+        future.add_done_callback(_forget_if_interrupted(self._cache, self._lock, key))
+        self._runner.submit(spec, future)
+        return future
 
     def take_compile_seconds(self) -> list[float]:
         """Compile times finished since the last call (for the compile-time histogram)."""
-        with self._lock:
-            taken, self._compile_seconds = self._compile_seconds, []
+        return self._runner.take_seconds()
+
+    def close(self) -> None:
+        """Kills the worker and cancels the compiles not finished (idempotent, never waits long)."""
+        self._close()
+
+
+def _forget_if_interrupted(cache: OrderedDict, lock: threading.Lock, key: str):
+    def forget(future: Future) -> None:
+        if not future.cancelled() and isinstance(future.exception(), CompileInterrupted):
+            with lock:
+                if cache.get(key) is future:
+                    del cache[key]
+
+    return forget
+
+
+class _Runner:
+    """The worker and the two threads around it: ``grammar-compile-worker`` sends each constraint to
+    the worker and waits for it under the timeout; ``grammar-compile`` compiles here what the worker
+    compiled. It holds nothing of its GrammarCompiler, so that one can be collected."""
+
+    def __init__(self, tokenizer_info, timeout_seconds: float):
+        import xgrammar  # noqa: PLC0415
+
+        self.worker = CompileWorker(tokenizer_info.serialize_json())
+        self._compiler = xgrammar.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
+        self._timeout = timeout_seconds
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._here = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._closed = False
+        self._seconds: list[float] = []  # finished compiles not yet taken by the metrics
+        self._seconds_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._feed_worker, name="grammar-compile-worker", daemon=True)
+
+    def start(self) -> float:
+        seconds = self.worker.start()
+        self._thread.start()
+        return seconds
+
+    def submit(self, spec: StructuredOutputSpec, future: Future) -> None:
+        self._jobs.put((spec, future))
+
+    def take_seconds(self) -> list[float]:
+        with self._seconds_lock:
+            taken, self._seconds = self._seconds, []
         return taken
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Never waits: the worker gets SIGKILL, the feeding thread reaps it and cancels what is queued."""
+        self._closed = True
+        self.worker.interrupt()
+        self._jobs.put(None)
+        self._here.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------------ threads
+    def _feed_worker(self) -> None:
+        while (job := self._jobs.get()) is not None and not self._closed:
+            spec, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            started = time.perf_counter()
+            try:
+                self._ensure_worker(spec)
+                self.worker.compile(spec, self._timeout)
+            except StructuredOutputError as exc:
+                self._record(time.perf_counter() - started)
+                future.set_exception(exc)
+                if not self.worker.alive:  # killed for the timeout, or it died
+                    self._restart()
+                continue
+            try:
+                self._here.submit(self._compile_here, spec, future, time.perf_counter() - started)
+            except RuntimeError:  # closed meanwhile
+                future.cancel()
+        self.worker.kill()
+        if job is not None:
+            job[1].cancel()
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job[1].cancel()
+
+    def _compile_here(self, spec: StructuredOutputSpec, future: Future, worker_seconds: float) -> None:
+        started = time.perf_counter()
+        try:
+            compiled = self._compiler.compile_grammar(to_grammar(spec))
+        except Exception as exc:  # the worker compiled it: not expected
+            future.set_exception(StructuredOutputError(f"{spec.key}: does not compile: {xgrammar_message(exc)}"))
+            return
+        finally:
+            seconds = time.perf_counter() - started
+            self._record(worker_seconds + seconds)
+        logger.debug("structured output: %s compiled in %.1f ms here, %.1f ms in the worker", spec.kind,
+                     seconds * 1e3, worker_seconds * 1e3)
+        future.set_result(compiled)
+
+    def _record(self, seconds: float) -> None:
+        with self._seconds_lock:
+            self._seconds.append(seconds)
+
+    def _ensure_worker(self, spec: StructuredOutputSpec) -> None:
+        if not self.worker.alive and not self._restart():
+            raise CompileInterrupted(f"{spec.key}: the grammar compile worker could not be started "
+                                    "(this process's log says why)")
+
+    def _restart(self) -> bool:
+        """A fresh worker for the next compiles; False (logged) when it does not start."""
+        if self._closed:
+            return False
+        try:
+            seconds = self.worker.start()
+        except CompileWorkerError:
+            logger.exception("structured output: restarting the grammar compile worker failed")
+            return False
+        if self._closed:  # close() came during the start and missed this worker
+            self.worker.kill()
+            return False
+        logger.warning("structured output: grammar compile worker restarted (pid %d, %.2f s)", self.worker.pid,
+                       seconds)
+        return True

@@ -1,0 +1,237 @@
+"""The grammar compile worker: one process that compiles one constraint at a time, so a compile that
+runs past its time is killed (xgrammar cannot stop one) and the engine core's CPU is freed.
+
+Workers are forked by multiprocessing's fork server, never by the engine core itself (it has
+torch's threads): the server is a fresh interpreter that imported xgrammar once, so the first
+worker costs that import and the next ones (a restart after a kill, a second engine) a fork. As
+with any start method but fork, a script that builds an engine needs ``if __name__ == "__main__":``.
+
+A worker gets the engine's ``xgrammar.TokenizerInfo`` as JSON, so it compiles against exactly the
+engine's vocabulary, and keeps to one thread (xgrammar's and torch's). It runs at a low CPU
+priority (``NICE``): a compile takes mostly what the engine's steps leave, which is why its timeout
+counts its CPU time, not the wall clock. For each constraint it answers once it compiled, or with
+xgrammar's error. It exits when its connection closes and, on Linux, when its parent does
+(``PR_SET_PDEATHSIG``).
+
+The worker does not send the compiled grammar back: ``CompiledGrammar.serialize_json`` grows much
+faster than the compile (a large schema's text is hundreds of MB, slower to write and read than to
+compile), so the engine compiles the constraint again itself once the worker proved it finishes in
+time (backend/structured_output/compiler.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+
+from backend.structured_output.spec import (
+    StructuredOutputError,
+    StructuredOutputSpec,
+    to_grammar,
+    xgrammar_message,
+)
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_SECONDS = 120.0  # the fork server's first start imports xgrammar (and torch)
+STALL_FACTOR = 3  # a compile's wall time may be this many times its CPU timeout (a busy machine)
+POLL_SECONDS = 0.05  # how often the worker's CPU time is read during a compile
+NICE = 10  # the worker yields the CPU to the engine's steps, and still gets some on a busy machine
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PRELOAD = ["xgrammar", "backend.structured_output.compile_worker"]
+
+
+class CompileWorkerError(RuntimeError):
+    """The worker could not be started; the message says why."""
+
+
+class CompileTimeout(StructuredOutputError):
+    """The compile ran past the timeout; the worker was killed."""
+
+
+class CompileInterrupted(StructuredOutputError):
+    """The compile ended for a reason that may not be the constraint's: its worker died (killed from
+    outside, or crashed), or the machine was too busy to run it."""
+
+
+class CompileWorker:
+    """The engine's handle on one worker process at a time. Not thread-safe: one thread starts it and
+    sends the compiles; ``interrupt`` may come from any thread."""
+
+    def __init__(self, tokenizer_info_json: str):
+        self._tokenizer_info = tokenizer_info_json.encode("utf-8")
+        self._process = None
+        self._connection = None
+        self.num_starts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def start(self, timeout: float = START_TIMEOUT_SECONDS) -> float:
+        """Starts a worker and waits until it is ready; returns the seconds it took. Raises
+        CompileWorkerError (and leaves nothing running)."""
+        self.kill()
+        started = time.perf_counter()
+        context = _context()
+        parent, child = context.Pipe()
+        process = context.Process(target=serve, args=(child, os.getpid()), name="grammar-compile-worker",
+                                  daemon=True)
+        try:
+            process.start()
+        except Exception as exc:
+            parent.close()
+            raise CompileWorkerError(f"the grammar compile worker could not start ({type(exc).__name__}: {exc})") from None
+        finally:
+            child.close()
+        self._process, self._connection = process, parent
+        try:
+            parent.send_bytes(self._tokenizer_info)
+            if not parent.poll(timeout):
+                raise CompileWorkerError(f"the grammar compile worker was not ready after {timeout:g} s")
+            parent.recv()  # "ready"
+        except (OSError, EOFError):
+            process.join(1.0)
+            self.kill()
+            raise CompileWorkerError(f"the grammar compile worker {self._describe_exit(process)} before it was ready "
+                                     "(its error is in this process's log)") from None
+        except CompileWorkerError:
+            self.kill()
+            raise
+        self.num_starts += 1
+        return time.perf_counter() - started
+
+    def compile(self, spec: StructuredOutputSpec, timeout: float) -> None:
+        """Compiles ``spec`` in the worker; returns once it did.
+
+        ``timeout`` counts the worker's CPU seconds (the constraint's own cost, whatever the load),
+        and, as a backstop for a machine too busy to give it any, ``STALL_FACTOR`` times as many
+        seconds of wall time. Raises StructuredOutputError (xgrammar's error), CompileTimeout or
+        CompileInterrupted (the worker is killed for both), each naming ``spec.key``.
+        """
+        process, connection = self._process, self._connection
+        if process is None:
+            raise CompileInterrupted(f"{spec.key}: the grammar compile worker is not running")
+        try:
+            cpu_start = _cpu_seconds(process.pid)
+            stall_at = time.monotonic() + STALL_FACTOR * timeout
+            connection.send(spec)
+            while not connection.poll(POLL_SECONDS):
+                if _cpu_seconds(process.pid) - cpu_start >= timeout:
+                    self.kill()
+                    raise CompileTimeout(f"{spec.key}: did not compile within {timeout:g} s "
+                                         "(parameter structured_output_compile_timeout_seconds)")
+                if time.monotonic() >= stall_at:
+                    self.kill()
+                    raise CompileInterrupted(
+                        f"{spec.key}: did not compile within {STALL_FACTOR * timeout:g} s: the machine is too busy "
+                        "to compile it now (parameter structured_output_compile_timeout_seconds)")
+            error = connection.recv()
+        except (OSError, EOFError):
+            process.join(1.0)
+            self.kill()
+            raise CompileInterrupted(f"{spec.key}: the grammar compile worker {self._describe_exit(process)} while "
+                                     "compiling it") from None
+        if error is not None:
+            raise StructuredOutputError(f"{spec.key}: does not compile: {error}")
+
+    def interrupt(self) -> None:
+        """SIGKILL to the worker running now, from any thread; the thread sending compiles reaps it."""
+        pid = self.pid
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """Ends the worker at once (SIGKILL: a compile never looks at signals) and reaps it."""
+        process, connection = self._process, self._connection
+        self._process = self._connection = None
+        if connection is not None:
+            connection.close()
+        if process is not None:
+            if process.is_alive():
+                process.kill()
+            process.join(5.0)
+
+    @staticmethod
+    def _describe_exit(process) -> str:
+        code = process.exitcode
+        if code is None:
+            return "stopped answering"
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The process's CPU time (user + system) from /proc; wall time where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return time.monotonic()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _context():
+    """multiprocessing's fork server, preloading xgrammar; started with a python interpreter (inside
+    Triton's stub ``sys.executable`` may name the stub binary)."""
+    context = multiprocessing.get_context("forkserver")
+    if not os.path.basename(os.fsdecode(multiprocessing.spawn.get_executable() or "")).startswith("python"):
+        from backend.engine_core.process_handle import python_executable  # noqa: PLC0415
+
+        context.set_executable(python_executable())
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+# ------------------------------------------------------------------------------------- the worker
+def serve(connection, engine_pid: int) -> None:
+    """The worker's body (run in the worker process): tokenizer info in, then compiles until EOF."""
+    _die_with_parent(engine_pid)
+    os.nice(NICE)
+    import torch  # noqa: PLC0415  (xgrammar imports it; one thread, as xgrammar's compiler)
+    import xgrammar  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    info = xgrammar.TokenizerInfo.deserialize_json(connection.recv_bytes().decode("utf-8"))
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    connection.send("ready")
+    while True:
+        try:
+            spec = connection.recv()
+        except EOFError:
+            return
+        try:
+            compiler.compile_grammar(to_grammar(spec))
+        except Exception as exc:  # xgrammar raises RuntimeError and ValueError
+            connection.send(xgrammar_message(exc))
+            continue
+        connection.send(None)
+
+
+def _die_with_parent(engine_pid: int) -> None:
+    """SIGKILL when the parent (the fork server) exits, which it does when the engine does; and
+    exit now if the engine is already gone."""
+    try:
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the connection's EOF ends the worker
+    try:
+        os.kill(engine_pid, 0)
+    except ProcessLookupError:
+        os._exit(0)
