@@ -42,6 +42,7 @@ from backend.kv_cache.manager import KVCacheManager
 from backend.kv_cache.offload.block_io import PagedBlockIO
 from backend.kv_cache.offload.from_config import build_offloader
 from backend.spec_decode.speculator import Speculator
+from backend.structured_output.spec import StructuredOutputError
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class LLMEngine:
         self.max_model_len = config.model.max_model_len
         self.vocab_size = self.model_runner.shape.vocab_size
         self.eos_token_id = self._eos_token_id()
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
+                                              config.structured_output)
         self.num_kv_blocks = self.model_runner.num_kv_blocks
         block_size = self.model_runner.block_size
         self.offloader = build_offloader(config.cache, self.model_runner.kv_caches, block_size, config.model.model_dir)
@@ -99,12 +101,14 @@ class LLMEngine:
         return eos
 
     def _structured_output_manager(self):
-        """Grammar compiler and matchers (backend/structured_output); None without xgrammar."""
+        """Grammar compiler and matchers (backend/structured_output); None without xgrammar. A compile
+        worker that cannot start fails the engine's start (CompileWorkerError), not each request."""
         try:
             from backend.structured_output.manager import StructuredOutputManager  # noqa: PLC0415
 
             return StructuredOutputManager.for_tokenizer(
-                self.tokenizer, self.vocab_size, self.eos_token_id, self.config.scheduler.max_num_seqs)
+                self.tokenizer, self.vocab_size, self.eos_token_id, self.config.scheduler.max_num_seqs,
+                self.config.structured_output)
         except ImportError as exc:
             logger.warning("structured output is off: %s", exc)
             return None
@@ -161,7 +165,10 @@ class LLMEngine:
         if params.structured_outputs is not None:
             if self.structured_output is None:
                 raise EngineInputError(f"{params.structured_outputs.key}: structured output needs the xgrammar package")
-            self.structured_output.add(request)  # compiles off the step; the request waits for it
+            try:
+                self.structured_output.add(request)  # compiles off the step; the request waits for it
+            except StructuredOutputError as exc:  # over the budget, or its client's compiles in flight
+                raise EngineInputError(str(exc)) from None
         self.output_processor.register(request)
         self.scheduler.add_request(request)
         return request
@@ -197,8 +204,11 @@ class LLMEngine:
         return collect_engine_stats(self)
 
     def close(self) -> None:
-        """Shutdown: a disk offload tier also keeps the prefixes still cached in the pool, so a
-        restarted server finds them; then the tier's threads stop (idempotent)."""
+        """Shutdown: the grammar compile worker is killed; a disk offload tier also keeps the prefixes
+        still cached in the pool, so a restarted server finds them; then the tier's threads stop
+        (idempotent)."""
+        if self.structured_output is not None:
+            self.structured_output.close()
         if self.offloader is None:
             return
         if self.offloader.tier.name == "disk" and not self.offloader.closed:

@@ -1,15 +1,17 @@
 """The engine's side of structured output: per request a grammar matcher, per step the token masks.
 
-A constrained request gets a ``RequestGrammar`` when it is added: the future of its compiled
-grammar (``compiler.py``). Until the future resolves the scheduler leaves the request in the
-waiting queue and admits the ones behind it (``RequestGrammar.ready``); ``poll()`` at the start of
-each step gives ready requests their ``xgrammar.GrammarMatcher`` and returns the ones whose grammar
-failed, which the engine ends with the error. In the step, ``apply_masks`` fills one bitmask row per
-constrained request (the tokens its grammar allows next; the EOS only where the grammar may end)
-and sets every other logit of that row to -inf before sampling; the free rows are left untouched,
-so a mixed batch gives free requests exactly their tokens alone. ``accept`` advances a matcher on
-the sampled token; once it accepted a stop token the grammar is terminated and the request
-finishes with ``stop``.
+A constrained request gets a ``RequestGrammar`` when it is added: the future of its compiled grammar
+(``compiler.py``). A constraint not compiled or compiling yet must first fit the budget
+(``budget.py``) and its client must have a compile to spare (``client_limit.py``); else ``add``
+raises and the request is refused at once. Until the future resolves the scheduler leaves the
+request in the waiting queue and admits the ones behind it (``RequestGrammar.ready``); ``poll()`` at
+the start of each step gives ready requests their ``xgrammar.GrammarMatcher`` and returns the ones
+whose grammar failed, which the engine ends with the error. In the step, ``apply_masks`` fills one
+bitmask row per constrained request (the tokens its grammar allows next; the EOS only where the
+grammar may end) and sets every other logit of that row to -inf before sampling; the free rows are
+left untouched, so a mixed batch gives free requests exactly their tokens alone. ``accept`` advances
+a matcher on the sampled token; once it accepted a stop token the grammar is terminated and the
+request finishes with ``stop``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.config import StructuredOutputConfig
+from backend.structured_output.budget import check_budget
+from backend.structured_output.client_limit import ClientCompileLimit
 from backend.structured_output.compiler import GrammarCompiler
 from backend.structured_output.spec import StructuredOutputError, StructuredOutputSpec
 
@@ -48,26 +53,51 @@ class RequestGrammar:
 
 
 class StructuredOutputManager:
-    def __init__(self, compiler: GrammarCompiler, vocab_size: int, max_rows: int):
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int, max_rows: int,
+                 config: StructuredOutputConfig | None = None):
         import xgrammar  # noqa: PLC0415
 
         self._xgrammar = xgrammar
         self.compiler = compiler
+        self.config = config or StructuredOutputConfig()
+        self.clients = ClientCompileLimit(self.config.structured_output_max_compiles_per_client)
         self.vocab_size = vocab_size
         self._bitmask = xgrammar.allocate_token_bitmask(max_rows, vocab_size)  # [max_rows, ceil(vocab/32)] int32
         self._pending: dict[str, object] = {}  # request id -> Request whose grammar is compiling
         self._cpu_kernel: object | None = _NOT_LOADED  # loaded on the first CPU step (a GPU never needs it)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int | None, max_rows: int):
+    def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int | None, max_rows: int,
+                      config: StructuredOutputConfig | None = None):
+        """Starts the compile worker: raises CompileWorkerError when it cannot start."""
+        config = config or StructuredOutputConfig()
         eos = [] if eos_token_id is None else [eos_token_id]
-        return cls(GrammarCompiler(tokenizer, vocab_size, eos), vocab_size, max_rows)
+        compiler = GrammarCompiler(tokenizer, vocab_size, eos,
+                                   timeout_seconds=config.structured_output_compile_timeout_seconds)
+        return cls(compiler, vocab_size, max_rows, config)
+
+    def close(self) -> None:
+        """Kills the compile worker (idempotent, never waits long)."""
+        self.compiler.close()
 
     # ----------------------------------------------------------------------------- requests
     def add(self, request) -> None:
-        """Starts compiling the request's constraint (a cache hit resolves at once)."""
-        spec = request.sampling_params.structured_outputs
-        request.grammar = RequestGrammar(spec, self.compiler.compile(spec))
+        """Starts compiling the request's constraint (a cache hit resolves at once).
+
+        A constraint not compiled or compiling yet raises StructuredOutputError naming its key and
+        the parameter when it is over the budget or its client (``sampling_params.user``) has
+        ``structured_output_max_compiles_per_client`` compiles in flight; a cache hit is never refused.
+        """
+        params = request.sampling_params
+        spec = params.structured_outputs
+        if self.compiler.is_cached(spec):
+            future = self.compiler.compile(spec)
+        else:
+            check_budget(spec, self.config)
+            self.clients.admit(params.user, spec.key)
+            future = self.compiler.compile(spec)
+            self.clients.track(params.user, future)
+        request.grammar = RequestGrammar(spec, future)
         self._pending[request.request_id] = request
 
     def release(self, request) -> None:
