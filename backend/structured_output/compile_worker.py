@@ -9,14 +9,13 @@ with any start method but fork, a script that builds an engine needs ``if __name
 A worker gets the engine's ``xgrammar.TokenizerInfo`` as JSON, so it compiles against exactly the
 engine's vocabulary, and keeps to one thread (xgrammar's and torch's). It runs at a low CPU
 priority (``NICE``): a compile takes mostly what the engine's steps leave, which is why its timeout
-counts its CPU time, not the wall clock. For each constraint it answers once it compiled, or with
-xgrammar's error. It exits when its connection closes and, on Linux, when its parent does
-(``PR_SET_PDEATHSIG``).
-
-The worker does not send the compiled grammar back: ``CompiledGrammar.serialize_json`` grows much
-faster than the compile (a large schema's text is hundreds of MB, slower to write and read than to
-compile), so the engine compiles the constraint again itself once the worker proved it finishes in
-time (backend/structured_output/compiler.py).
+counts its CPU time, not the wall clock. For each constraint it answers with xgrammar's error, or
+with the compiled grammar (``CompiledGrammar.serialize_json``, which the engine reads back with its
+own TokenizerInfo) when that is small (``SHIP_BYTES``). The text grows much faster than the compile
+(a large schema's runs to hundreds of MB, slower to write and read than to compile), so for a larger
+grammar it answers only that it compiled, and the engine compiles it again itself, bounded work
+now (backend/structured_output/compiler.py). It exits when its connection closes and, on Linux, when
+its parent does (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ START_TIMEOUT_SECONDS = 120.0  # the fork server's first start imports xgrammar 
 STALL_FACTOR = 3  # a compile's wall time may be this many times its CPU timeout (a busy machine)
 POLL_SECONDS = 0.05  # how often the worker's CPU time is read during a compile
 NICE = 10  # the worker yields the CPU to the engine's steps, and still gets some on a busy machine
+SHIP_BYTES = 256 * 1024  # a compiled grammar's JSON up to this size is sent back; a larger one is compiled again
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PRELOAD = ["xgrammar", "backend.structured_output.compile_worker"]
 
@@ -108,8 +108,9 @@ class CompileWorker:
         self.num_starts += 1
         return time.perf_counter() - started
 
-    def compile(self, spec: StructuredOutputSpec, timeout: float) -> None:
-        """Compiles ``spec`` in the worker; returns once it did.
+    def compile(self, spec: StructuredOutputSpec, timeout: float) -> str | None:
+        """Compiles ``spec`` in the worker; returns the compiled grammar's JSON
+        (``CompiledGrammar.serialize_json``), or None when it is too large to be worth sending.
 
         ``timeout`` counts the worker's CPU seconds (the constraint's own cost, whatever the load),
         and, as a backstop for a machine too busy to give it any, ``STALL_FACTOR`` times as many
@@ -133,7 +134,7 @@ class CompileWorker:
                     raise CompileInterrupted(
                         f"{spec.key}: did not compile within {STALL_FACTOR * timeout:g} s: the machine is too busy "
                         "to compile it now (parameter structured_output_compile_timeout_seconds)")
-            error = connection.recv()
+            error, text = connection.recv()
         except (OSError, EOFError):
             process.join(1.0)
             self.kill()
@@ -141,6 +142,7 @@ class CompileWorker:
                                      "compiling it") from None
         if error is not None:
             raise StructuredOutputError(f"{spec.key}: does not compile: {error}")
+        return text
 
     def interrupt(self) -> None:
         """SIGKILL to the worker running now, from any thread; the thread sending compiles reaps it."""
@@ -215,11 +217,19 @@ def serve(connection, engine_pid: int) -> None:
         except EOFError:
             return
         try:
-            compiler.compile_grammar(to_grammar(spec))
+            compiled = compiler.compile_grammar(to_grammar(spec))
         except Exception as exc:  # xgrammar raises RuntimeError and ValueError
-            connection.send(xgrammar_message(exc))
+            connection.send((xgrammar_message(exc), None))
             continue
-        connection.send(None)
+        connection.send((None, _shipped(compiled)))
+
+
+def _shipped(compiled) -> str | None:
+    """The compiled grammar's JSON when it is small enough to be worth reading back; else None."""
+    if compiled.memory_size_bytes > SHIP_BYTES:  # its text is about as large or larger: not worth writing
+        return None
+    text = compiled.serialize_json()
+    return text if len(text) <= SHIP_BYTES else None
 
 
 def _die_with_parent(engine_pid: int) -> None:

@@ -1,12 +1,13 @@
 """Compiles constraints into xgrammar token-mask grammars off the engine step, with a cache, under a timeout.
 
 The tokenizer's vocabulary is prepared once (``xgrammar.TokenizerInfo``). Each distinct constraint
-is first compiled by the compile worker, a process of its own at a low CPU priority
-(compile_worker.py), under ``timeout_seconds`` of its CPU time: one that runs past it is killed
-with its worker and fails its requests with the timeout named, and a new worker takes the next
-compiles, so a hostile constraint costs the engine core nothing. A constraint the worker compiled
-in time is compiled again here, on one thread (bounded work now: the worker just did it). Requests
-carry the ``Future`` and wait in the queue (not in the batch) until it resolves.
+is compiled by the compile worker, a process of its own at a low CPU priority (compile_worker.py),
+under ``timeout_seconds`` of its CPU time: one that runs past it is killed with its worker and fails
+its requests with the timeout named, and a new worker takes the next compiles, so a hostile
+constraint costs the engine core nothing. What the worker compiled in time comes back serialized
+and is read back here on one thread, or, for a large grammar whose text would cost more than the
+compile, is compiled again here (bounded work now: the worker just did it). Requests carry the
+``Future`` and wait in the queue (not in the batch) until it resolves.
 
 The cache is an LRU of futures keyed by ``StructuredOutputSpec.cache_key``, so a constraint sent by
 a thousand requests, even at the same moment, compiles once. Failures stay cached, a timeout too
@@ -114,12 +115,14 @@ def _forget_if_interrupted(cache: OrderedDict, lock: threading.Lock, key: str):
 
 class _Runner:
     """The worker and the two threads around it: ``grammar-compile-worker`` sends each constraint to
-    the worker and waits for it under the timeout; ``grammar-compile`` compiles here what the worker
-    compiled. It holds nothing of its GrammarCompiler, so that one can be collected."""
+    the worker and waits for it under the timeout; ``grammar-compile`` reads back (or compiles again)
+    what the worker compiled. It holds nothing of its GrammarCompiler, so that one can be collected."""
 
     def __init__(self, tokenizer_info, timeout_seconds: float):
         import xgrammar  # noqa: PLC0415
 
+        self._xgrammar = xgrammar
+        self._tokenizer_info = tokenizer_info
         self.worker = CompileWorker(tokenizer_info.serialize_json())
         self._compiler = xgrammar.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
         self._timeout = timeout_seconds
@@ -159,7 +162,7 @@ class _Runner:
             started = time.perf_counter()
             try:
                 self._ensure_worker(spec)
-                self.worker.compile(spec, self._timeout)
+                text = self.worker.compile(spec, self._timeout)
             except StructuredOutputError as exc:
                 self._record(time.perf_counter() - started)
                 future.set_exception(exc)
@@ -167,7 +170,7 @@ class _Runner:
                     self._restart()
                 continue
             try:
-                self._here.submit(self._compile_here, spec, future, time.perf_counter() - started)
+                self._here.submit(self._finish, spec, future, text, time.perf_counter() - started)
             except RuntimeError:  # closed meanwhile
                 future.cancel()
         self.worker.kill()
@@ -181,18 +184,22 @@ class _Runner:
             if job is not None:
                 job[1].cancel()
 
-    def _compile_here(self, spec: StructuredOutputSpec, future: Future, worker_seconds: float) -> None:
+    def _finish(self, spec: StructuredOutputSpec, future: Future, text: str | None, worker_seconds: float) -> None:
+        """The worker's compiled grammar read back, or (a large one) compiled again here."""
         started = time.perf_counter()
         try:
-            compiled = self._compiler.compile_grammar(to_grammar(spec))
+            if text is not None:
+                compiled = self._xgrammar.CompiledGrammar.deserialize_json(text, self._tokenizer_info)
+            else:
+                compiled = self._compiler.compile_grammar(to_grammar(spec))
         except Exception as exc:  # the worker compiled it: not expected
             future.set_exception(StructuredOutputError(f"{spec.key}: does not compile: {xgrammar_message(exc)}"))
             return
         finally:
             seconds = time.perf_counter() - started
             self._record(worker_seconds + seconds)
-        logger.debug("structured output: %s compiled in %.1f ms here, %.1f ms in the worker", spec.kind,
-                     seconds * 1e3, worker_seconds * 1e3)
+        logger.debug("structured output: %s %s in %.1f ms here, %.1f ms in the worker", spec.kind,
+                     "read back" if text is not None else "compiled again", seconds * 1e3, worker_seconds * 1e3)
         future.set_result(compiled)
 
     def _record(self, seconds: float) -> None:

@@ -5,6 +5,7 @@ compiles in flight is refused while others are admitted, and a worker killed fro
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import statistics
@@ -267,6 +268,25 @@ def test_a_worker_killed_from_outside_fails_its_compile_and_a_new_one_takes_the_
     engine.add_request("next", prompt_token_ids=PROMPT, sampling_params=constrained({"regex": "[x-z]{5}"}))
     assert run_until_finished(engine, "next").finish_reason is FinishReason.STOP
     assert compiler.worker.pid != old_pid and compiler.worker.alive
+
+
+def test_a_small_grammar_is_read_back_and_a_large_one_compiled_again_both_constraining(demo_model_dir, caplog):
+    import xgrammar
+
+    compiler = GrammarCompiler(load_tokenizer(str(demo_model_dir)), 8192, [2])
+    try:
+        small = parse_structured_outputs({"regex": "[a-c]{2}-[0-9]"})
+        large = parse_structured_outputs({"json": {"type": "object", "properties": {
+            f"field{i}": {"type": "string"} for i in range(200)}}, "disable_any_whitespace": True})
+        with caplog.at_level(logging.DEBUG, logger="backend.structured_output.compiler"):
+            grammars = [compiler.compile(spec).result(timeout=60) for spec in (small, large)]
+        assert [" read back " in m for m in caplog.messages if " in the worker" in m] == [True, False]
+        assert [" compiled again " in m for m in caplog.messages if " in the worker" in m] == [False, True]
+        for grammar, good, bad in ((grammars[0], "ab-7", "ad-7"), (grammars[1], '{"field3": "x"}', '{"nope": 1}')):
+            assert xgrammar.GrammarMatcher(grammar).accept_string(good)
+            assert not xgrammar.GrammarMatcher(grammar).accept_string(bad)
+    finally:
+        compiler.close()
 
 
 def test_close_kills_the_worker_at_once_and_cancels_what_compiles(demo_model_dir):
