@@ -121,11 +121,12 @@ class CompileWorker:
         if process is None:
             raise CompileInterrupted(f"{spec.key}: the grammar compile worker is not running")
         try:
+            started = time.monotonic()
             cpu_start = _cpu_seconds(process.pid)
-            stall_at = time.monotonic() + STALL_FACTOR * timeout
+            stall_at = started + STALL_FACTOR * timeout
             connection.send(spec)
             while not connection.poll(POLL_SECONDS):
-                if _cpu_seconds(process.pid) - cpu_start >= timeout:
+                if _used_seconds(process.pid, cpu_start, started) >= timeout:
                     self.kill()
                     raise CompileTimeout(f"{spec.key}: did not compile within {timeout:g} s "
                                          "(parameter structured_output_compile_timeout_seconds)")
@@ -177,14 +178,23 @@ class CompileWorker:
         return f"exited with code {code}"
 
 
-def _cpu_seconds(pid: int) -> float:
-    """The process's CPU time (user + system) from /proc; wall time where there is no /proc."""
+def _cpu_seconds(pid: int) -> float | None:
+    """The process's CPU time (user + system) from /proc; None where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             fields = handle.read().rsplit(b")", 1)[1].split()
     except OSError:
-        return time.monotonic()
+        return None
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _used_seconds(pid: int, cpu_start: float | None, started: float) -> float:
+    """CPU seconds the worker spent since ``cpu_start``; wall seconds where there is no /proc. A
+    worker gone meanwhile counts nothing more: the connection's EOF says that it died."""
+    if cpu_start is None:
+        return time.monotonic() - started
+    now = _cpu_seconds(pid)
+    return 0.0 if now is None else now - cpu_start
 
 
 def _context():
