@@ -83,6 +83,7 @@ def local_compile_times(tokenizer_dir: str) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     compiler = GrammarCompiler(tokenizer, AutoConfig.from_pretrained(tokenizer_dir).vocab_size, [tokenizer.eos_token_id])
+    compiler.wait_started(120)  # compile times, not the worker's start
     first, cached = [], []
     for _, schema in SCHEMAS:
         spec = parse_structured_outputs({"json": schema})

@@ -47,7 +47,10 @@ class GrammarCompiler:
                  timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS, cache_entries: int = DEFAULT_CACHE_ENTRIES):
         """``vocab_size`` is the model's (its logits' width), which may exceed the tokenizer's.
 
-        Starts the compile worker and waits for it: raises CompileWorkerError when it cannot start."""
+        Starts the compile worker without waiting for it (its first start takes seconds that an
+        engine start, and a model's recovery, should not wait for): the first compiles wait in its
+        queue. A worker that cannot start is logged, and the constraints sent meanwhile fail with
+        that said; every other request is served as usual."""
         import xgrammar  # noqa: PLC0415
 
         started = time.perf_counter()
@@ -61,10 +64,13 @@ class GrammarCompiler:
         self.num_cache_hits = 0  # requests whose constraint was compiled or compiling already
         self._runner = _Runner(self.tokenizer_info, timeout_seconds)
         self._close = weakref.finalize(self, self._runner.close)  # a compiler no one holds ends its worker
-        worker_seconds = self._runner.start()
-        logger.info("structured output: vocabulary of %d tokens prepared, compile worker %d started in %.2f s "
-                    "(in all %.2f s)", vocab_size, self._runner.worker.pid, worker_seconds,
-                    time.perf_counter() - started)
+        self._runner.start()
+        logger.info("structured output: vocabulary of %d tokens prepared in %.2f s; the compile worker is starting",
+                    vocab_size, time.perf_counter() - started)
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """Waits for the worker's first start (done or failed); True once it was attempted."""
+        return self._runner.first_start.wait(timeout)
 
     @property
     def worker(self) -> CompileWorker:
@@ -132,11 +138,21 @@ class _Runner:
         self._seconds: list[float] = []  # finished compiles not yet taken by the metrics
         self._seconds_lock = threading.Lock()
         self._thread = threading.Thread(target=self._feed_worker, name="grammar-compile-worker", daemon=True)
+        self.first_start = threading.Event()  # set once the first start was attempted
 
-    def start(self) -> float:
-        seconds = self.worker.start()
+    def start(self) -> None:
+        """The feeding thread starts the worker first, then takes the compiles (see GrammarCompiler)."""
         self._thread.start()
-        return seconds
+
+    def _start_first(self) -> None:
+        try:
+            seconds = self.worker.start()
+            logger.info("structured output: compile worker %d started in %.2f s", self.worker.pid, seconds)
+        except CompileWorkerError:
+            logger.exception("structured output: the grammar compile worker did not start; constrained requests "
+                             "fail until it does (each new one tries again)")
+        finally:
+            self.first_start.set()
 
     def submit(self, spec: StructuredOutputSpec, future: Future) -> None:
         self._jobs.put((spec, future))
@@ -155,6 +171,7 @@ class _Runner:
 
     # ------------------------------------------------------------------------------------ threads
     def _feed_worker(self) -> None:
+        self._start_first()
         while (job := self._jobs.get()) is not None and not self._closed:
             spec, future = job
             if not future.set_running_or_notify_cancel():

@@ -14,8 +14,9 @@ from __future__ import annotations
 import abc
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
-from backend.config import ConfigError
+from backend.config import ConfigError, EngineConfig
 from backend.engine.input_processor import InputProcessor
 from backend.engine_core.engine_client import EngineClient, make_engine_client
 from backend.engine_core.stub_watch import recorded_recoveries
@@ -36,17 +37,20 @@ from backend.triton.helpers import (
 logger = logging.getLogger(__name__)
 
 
-def start_engine(engine: EngineClient, model_name: str, tokenizer_dir: str) -> InputProcessor:
-    """Starts the engine and returns the front end's InputProcessor for it. An engine that does not
-    come up fails the model's load with a ConfigError naming why."""
+def start_engine(engine: EngineClient, model_name: str, config: EngineConfig) -> InputProcessor:
+    """Starts the engine and returns the front end's InputProcessor for it (the tokenizer loads
+    meanwhile: a model's load, and its recovery after a dead stub, wait for the slower of the two).
+    An engine that does not come up fails the model's load with a ConfigError naming why."""
     from backend.engine.tokenizer import load_tokenizer  # noqa: PLC0415
     from backend.engine_core.process_handle import CoreStartError  # noqa: PLC0415
 
-    try:
-        ready = engine.start()
-    except CoreStartError as exc:
-        raise ConfigError(f"model '{model_name}': {exc}") from None
-    return InputProcessor(load_tokenizer(tokenizer_dir), ready.vocab_size, ready.max_model_len)
+    with ThreadPoolExecutor(1, thread_name_prefix="llm-tokenizer-load") as pool:
+        tokenizer = pool.submit(load_tokenizer, config.model.tokenizer_dir)
+        try:
+            ready = engine.start()
+        except CoreStartError as exc:
+            raise ConfigError(f"model '{model_name}': {exc}") from None
+        return InputProcessor(tokenizer.result(), ready.vocab_size, ready.max_model_len, config.structured_output)
 
 
 class EngineModel(abc.ABC):
@@ -81,7 +85,7 @@ class EngineModel(abc.ABC):
             heartbeat_timeout=heartbeat_timeout, stub_watch=stub_watch(parameters, ready_url, self.model_name) if use_process else None,
             on_restart=lambda reason: metrics.engine_restarts.increment(1), on_ipc=metrics.core_ipc.observe)
         try:
-            self.inputs = start_engine(engine, self.model_name, self.config.model.tokenizer_dir)
+            self.inputs = start_engine(engine, self.model_name, self.config)
         except Exception:
             engine.stop(timeout=10.0, message="the model failed to load")  # no core outlives a failed load
             raise
