@@ -20,6 +20,7 @@ again. Compile times and cache hits feed the metrics.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,7 +29,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from backend.config import StructuredOutputConfig
-from backend.structured_output.compile_worker import CompileInterrupted, CompileWorker, CompileWorkerError
+from backend.structured_output.compile_worker import NICE, CompileInterrupted, CompileWorker, CompileWorkerError
 from backend.structured_output.spec import (
     StructuredOutputError,
     StructuredOutputSpec,
@@ -109,6 +110,15 @@ class GrammarCompiler:
         self._close()
 
 
+def _yield_to_steps() -> None:
+    """The thread that reads back or compiles again runs at the worker's low priority (Linux keeps a
+    nice value per thread), so the engine's step threads keep the CPU while it works."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 def _forget_if_interrupted(cache: OrderedDict, lock: threading.Lock, key: str):
     def forget(future: Future) -> None:
         if not future.cancelled() and isinstance(future.exception(), CompileInterrupted):
@@ -133,7 +143,7 @@ class _Runner:
         self._compiler = xgrammar.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
         self._timeout = timeout_seconds
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._here = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._here = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile", initializer=_yield_to_steps)
         self._closed = False
         self._seconds: list[float] = []  # finished compiles not yet taken by the metrics
         self._seconds_lock = threading.Lock()

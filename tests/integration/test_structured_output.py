@@ -101,3 +101,72 @@ def _has(values, name) -> bool:
         return True
     except KeyError:
         return False
+
+
+def test_hostile_schemas_time_out_while_free_and_cached_requests_keep_their_pace(make_server):
+    """Issue 37: slow schemas (within the budget) arrive while a free and an already-compiled
+    constrained request stream. The compiles run in the killable worker at a low priority and fail
+    at the timeout; the others' inter-token gaps stay within 1.5x of their pace alone."""
+    import statistics
+    import threading
+    import time
+
+    from tests.unit.test_structured_output_bounds import slow_schema
+
+    server = make_server({"structured_output_compile_timeout_seconds": "1"})
+    cached_constraint = {"structured_outputs": {"regex": "[a-z]{2500}"}}
+
+    def median_gap(result) -> float:
+        times = result.token_times
+        return statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
+
+    def pair() -> tuple:
+        results = {}
+
+        def run(name, **options):
+            with StreamingClient(server.grpc_url) as client:
+                results[name] = client.generate("A story:", timeout=180, stream=True, **options)
+
+        threads = [threading.Thread(target=run, args=("free",), kwargs={"max_tokens": 1200, "ignore_eos": True}),
+                   threading.Thread(target=run, args=("cached",), kwargs={"max_tokens": 800,
+                                                                           "sampling_parameters": cached_constraint})]
+        for thread in threads:
+            thread.start()
+        return threads, results
+
+    with StreamingClient(server.grpc_url) as client:  # compiles the cached constraint once
+        assert client.generate("A story:", timeout=60, max_tokens=4, sampling_parameters=cached_constraint).error is None
+    threads, alone = pair()
+    for thread in threads:
+        thread.join(180)
+    threads, during = pair()
+    time.sleep(0.5)
+    hostile = []
+
+    def send_hostile(i: int) -> None:  # distinct users: the compile cap per client is not what stops them
+        started = time.monotonic()
+        with StreamingClient(server.grpc_url) as client:
+            result = client.generate("Fill in:", timeout=60, max_tokens=8,
+                                     sampling_parameters={"structured_outputs": {"json": slow_schema(f"h{i}_")},
+                                                          "user": f"hostile{i}"})
+        hostile.append((result, time.monotonic() - started, time.monotonic()))
+
+    senders = [threading.Thread(target=send_hostile, args=(i,)) for i in range(3)]
+    for thread in senders:
+        thread.start()
+    for thread in senders + threads:
+        thread.join(180)
+    last_hostile_end = max(end for _, _, end in hostile)
+    assert last_hostile_end < during["free"].end_time  # every compile ran while the free stream did
+    for result, seconds, _ in hostile:
+        # Past 1 s of its CPU, or, on a machine this busy, past the 3x wall-clock backstop.
+        assert result.error is not None and "did not compile within" in result.error, result.error
+        assert "structured_output_compile_timeout_seconds" in result.error
+        assert result.num_final == 1 and seconds < 15
+    for name in ("free", "cached"):
+        assert during[name].error is None and len(during[name].token_ids) == len(alone[name].token_ids) > 20
+        ratio = median_gap(during[name]) / median_gap(alone[name])
+        print(f"\n{name}: median inter-token gap {median_gap(alone[name]) * 1e3:.1f} ms alone, "
+              f"{median_gap(during[name]) * 1e3:.1f} ms while hostile schemas compiled ({ratio:.2f}x)")
+        assert ratio < 1.5, (name, ratio)
+    assert during["cached"].text == alone["cached"].text
