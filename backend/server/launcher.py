@@ -7,6 +7,10 @@ the virtual environment's ``bin`` first on PATH (the stub's embedded Python is i
 its site-packages through the ``python3`` on PATH, otherwise responses arrive empty); and
 LD_LIBRARY_PATH with libpython's folder and the wheel's bundled libraries.
 
+Models are loaded with ``--model-control-mode=explicit --load-model=*`` unless the extra arguments
+name a mode: the same models at start as the default mode, and a model whose stub died can be
+unloaded and loaded again (``on_stub_death: reload``, backend/engine_core/stub_watch.py).
+
 Stopping sends SIGTERM, then kills the whole process group after a timeout: a server with live
 decoupled streams was seen not to exit, and its stub processes must not outlive it.
 
