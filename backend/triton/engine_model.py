@@ -21,6 +21,7 @@ from backend.engine.input_processor import InputProcessor
 from backend.engine_core.engine_client import EngineClient, make_engine_client
 from backend.engine_core.stub_watch import recorded_recoveries
 from backend.triton.client_priority import parse_client_priority_range
+from backend.triton.load_metrics import LoadMetrics
 from backend.triton.helpers import (
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
     bool_parameter,
@@ -73,7 +74,9 @@ class EngineModel(abc.ABC):
         self.stream_interval = positive_int_parameter(parameters, "stream_interval", 1)
         self.response_coalescing = bool_parameter(parameters, "response_coalescing", True)
         self.client_priorities = parse_client_priority_range(parameters)
-        self.metrics = metrics = TritonMetrics(pb_utils, self.model_name)
+        load = LoadMetrics(pb_utils, self.model_name, str(args.get("model_version", "")),
+                           self.config.cache.block_size, self.config.scheduler.max_num_seqs)
+        self.metrics = metrics = TritonMetrics(pb_utils, self.model_name, load)
         # The dead stub's counter lives on in tritonserver (a family is kept by name and labels), so
         # it is brought up to the recorded count (backend/engine_core/stub_watch.py), not added to.
         recoveries = len(recorded_recoveries(os.getppid(), self.model_name))

@@ -103,7 +103,9 @@ class BatchedCounter:
 class TritonMetrics:
     """Owns the metric families and metrics of one model instance."""
 
-    def __init__(self, pb_utils, model_name: str):
+    def __init__(self, pb_utils, model_name: str, load=None):
+        """``load``: the cluster schedulers' names of the load gauges (backend/triton/load_metrics.py)."""
+        self.load = load
         labels = {"model": model_name}
         family = pb_utils.MetricFamily
         self._families = []
@@ -220,6 +222,8 @@ class TritonMetrics:
         for seconds in stats.kv_offload_load_seconds:
             self.offload_load.observe(seconds)
         self._update_spec_decode(stats, last)
+        if self.load is not None:
+            self.load.update(stats)
         self._last_stats = stats
 
     def _update_spec_decode(self, stats: EngineStats, last: EngineStats | None) -> None:
@@ -244,6 +248,8 @@ class TritonMetrics:
         self.spec_speculated_fraction.set(stats.spec_decode_num_speculated_steps / stats.spec_decode_num_steps)
 
     def close(self) -> None:
+        if self.load is not None:
+            self.load.close()
         self.success.clear()
         self.spec_accepted_per_position.clear()
         self._families.clear()
