@@ -29,6 +29,8 @@ CACHED_CONSTRAINT = {"structured_outputs": {"regex": "[a-z]{2500}"}}
 
 
 def slow_schema(prefix: str) -> dict:
+    """Within the default budget (256 properties, 32 short patterns, 7.5 kB), yet seconds of token-mask
+    compiling: 32 bounded-length patterns among 224 optional properties (the tests use it too)."""
     pattern = {"type": "string", "pattern": "^[a-z0-9_]{1,100}$"}
     return {"type": "object", "properties": {f"{prefix}{i}": pattern if i % 8 == 0 else {"type": "integer"}
                                              for i in range(256)}}
@@ -39,12 +41,13 @@ def gaps(result) -> list[float]:
     return sorted(b - a for a, b in zip(times, times[1:], strict=False))
 
 
-def streams(url: str) -> tuple[list[threading.Thread], dict]:
+def streams(url: str, timeout: float = 300.0) -> tuple[list[threading.Thread], dict]:
+    """Starts the free and the cached stream; their threads, and the results they fill in."""
     results: dict = {}
 
     def run(name: str, **options) -> None:
         with StreamingClient(url) as client:
-            results[name] = client.generate("A story:", timeout=300, stream=True, **options)
+            results[name] = client.generate("A story:", timeout=timeout, stream=True, **options)
 
     threads = [threading.Thread(target=run, args=("free",), kwargs={"max_tokens": 1200, "ignore_eos": True}),
                threading.Thread(target=run, args=("cached",), kwargs={"max_tokens": 800,

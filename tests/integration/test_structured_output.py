@@ -111,35 +111,20 @@ def test_hostile_schemas_time_out_while_free_and_cached_requests_keep_their_pace
     import threading
     import time
 
-    from tests.unit.test_structured_output_bounds import slow_schema
+    from perf.hostile_schemas import CACHED_CONSTRAINT, slow_schema, streams
 
     server = make_server({"structured_output_compile_timeout_seconds": "1"})
-    cached_constraint = {"structured_outputs": {"regex": "[a-z]{2500}"}}
 
     def median_gap(result) -> float:
         times = result.token_times
         return statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
 
-    def pair() -> tuple:
-        results = {}
-
-        def run(name, **options):
-            with StreamingClient(server.grpc_url) as client:
-                results[name] = client.generate("A story:", timeout=180, stream=True, **options)
-
-        threads = [threading.Thread(target=run, args=("free",), kwargs={"max_tokens": 1200, "ignore_eos": True}),
-                   threading.Thread(target=run, args=("cached",), kwargs={"max_tokens": 800,
-                                                                           "sampling_parameters": cached_constraint})]
-        for thread in threads:
-            thread.start()
-        return threads, results
-
     with StreamingClient(server.grpc_url) as client:  # compiles the cached constraint once
-        assert client.generate("A story:", timeout=60, max_tokens=4, sampling_parameters=cached_constraint).error is None
-    threads, alone = pair()
+        assert client.generate("A story:", timeout=60, max_tokens=4, sampling_parameters=CACHED_CONSTRAINT).error is None
+    threads, alone = streams(server.grpc_url, timeout=180)
     for thread in threads:
         thread.join(180)
-    threads, during = pair()
+    threads, during = streams(server.grpc_url, timeout=180)
     time.sleep(0.5)
     hostile = []
 

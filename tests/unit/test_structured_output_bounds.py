@@ -29,6 +29,7 @@ from backend.structured_output.compile_worker import (
 )
 from backend.structured_output.compiler import GrammarCompiler
 from backend.structured_output.spec import StructuredOutputError, parse_structured_outputs
+from perf.hostile_schemas import slow_schema
 from tests.conftest import DEMO_REPOSITORY
 
 PROMPT = [1, 10, 20, 30]
@@ -37,14 +38,6 @@ BUDGET = StructuredOutputConfig()
 
 def many_properties(count: int, prefix: str = "p") -> dict:
     return {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(count)}}
-
-
-def slow_schema(prefix: str) -> dict:
-    """Within the default budget (256 properties, 32 short patterns, 7.5 kB), yet seconds of token-mask
-    compiling: 32 bounded-length patterns among 224 optional properties."""
-    pattern = {"type": "string", "pattern": "^[a-z0-9_]{1,100}$"}
-    return {"type": "object", "properties": {f"{prefix}{i}": pattern if i % 8 == 0 else {"type": "integer"}
-                                             for i in range(256)}}
 
 
 def constrained(obj: dict, user: str = "", **params) -> SamplingParams:
