@@ -19,13 +19,14 @@ from tests.integration.conftest import MODEL_REPOSITORY
 pytestmark = pytest.mark.integration
 
 
-def read_metrics(server) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} for our llm_* series."""
+def read_metrics(server, prefixes: tuple[str, ...] = ("llm_",)) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} for the series whose names start with ``prefixes``
+    (our llm_* ones by default)."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         text = response.read().decode()
     values = {}
     for line in text.splitlines():
-        if line.startswith("llm_"):
+        if line.startswith(prefixes):
             key, _, value = line.rpartition(" ")
             values[key] = float(value)
     return values

@@ -5,25 +5,18 @@ from __future__ import annotations
 import re
 import threading
 import time
-import urllib.request
 
 import pytest
 
 from client.stream import StreamingClient
+from tests.integration.test_llm_model import read_metrics
 
 pytestmark = pytest.mark.integration
 
 
 def scrape(server) -> dict[str, float]:
-    """Every vllm:* and nv_trt_llm_* series, and ours, as {'name{labels}': value}."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith(("vllm:", "nv_trt_llm_", "llm_")):
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
-    return values
+    """Every vllm:* and nv_trt_llm_* series, and ours."""
+    return read_metrics(server, ("vllm:", "nv_trt_llm_", "llm_"))
 
 
 def value(values: dict[str, float], name: str, **labels) -> float:
