@@ -45,29 +45,25 @@ class LoadMetrics:
         trt_labels = {"model": model_name, "version": version or "1"}
         self.requests = {kind: requests.Metric(labels=dict(trt_labels, request_type=kind)) for kind in REQUEST_TYPES}
         self.blocks = {kind: blocks.Metric(labels=dict(trt_labels, kv_cache_block_type=kind)) for kind in BLOCK_TYPES}
-        self._last: tuple | None = None
+        self._sent: dict[int, float] = {}  # id(metric) -> the value last set
         self.requests["max"].set(max_num_seqs)
         self.blocks["tokens_per"].set(block_size)
 
     def update(self, stats: EngineStats) -> None:
-        """Sets the gauges from one step's statistics, when they changed (each set is a round trip
-        from the stub to tritonserver)."""
-        key = (stats.num_waiting, stats.num_running, stats.kv_cache_usage, stats.num_kv_blocks)
-        if key == self._last:
-            return
-        self._last = key
-        self.waiting.set(stats.num_waiting)
-        self.running.set(stats.num_running)
-        self.usage.set(stats.kv_cache_usage)
-        self.requests["waiting"].set(stats.num_waiting)
-        self.requests["scheduled"].set(stats.num_running)
-        self.requests["active"].set(stats.num_running + stats.num_waiting)
+        """Sets the gauges from one step's statistics; only those whose value changed (each set is a
+        round trip from the stub to tritonserver, and most steps change only the KV usage)."""
         usable = max(stats.num_kv_blocks - 1, 0)  # block 0 is the null block
         used = round(stats.kv_cache_usage * usable)
-        self.blocks["max"].set(usable)
-        self.blocks["used"].set(used)
-        self.blocks["free"].set(usable - used)
-        self.blocks["fraction"].set(stats.kv_cache_usage)
+        for metric, value in (
+            (self.waiting, stats.num_waiting), (self.running, stats.num_running), (self.usage, stats.kv_cache_usage),
+            (self.requests["waiting"], stats.num_waiting), (self.requests["scheduled"], stats.num_running),
+            (self.requests["active"], stats.num_running + stats.num_waiting), (self.blocks["max"], usable),
+            (self.blocks["used"], used), (self.blocks["free"], usable - used),
+            (self.blocks["fraction"], stats.kv_cache_usage),
+        ):
+            if self._sent.get(id(metric)) != value:
+                self._sent[id(metric)] = value
+                metric.set(value)
         if self._info is None and stats.num_kv_blocks:
             self._info = self._info_family.Metric(labels=dict(
                 self._vllm_labels, block_size=str(self._block_size), num_gpu_blocks=str(stats.num_kv_blocks)))
