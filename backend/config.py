@@ -103,12 +103,27 @@ class StructuredOutputConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """KV-cache events for a cache-aware router (backend/kv_cache/event_publisher.py): vLLM's ZMQ wire."""
+
+    kv_events_endpoint: str = ""  # tcp://HOST:PORT the PUB socket binds; empty: no events
+    kv_events_topic: str = ""  # the first frame of every message
+    kv_events_replay_endpoint: str = ""  # tcp://HOST:PORT of the replay ROUTER socket; empty: no replay
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kv_events_endpoint)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
 
 _CHOICES = {
@@ -163,7 +178,15 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "structured_output_max_pattern_length": ("structured_output", "int", 1),
     "structured_output_compile_timeout_seconds": ("structured_output", "int", 1),
     "structured_output_max_compiles_per_client": ("structured_output", "int", 0),
+    "kv_events_endpoint": ("kv_events", "endpoint", None),
+    "kv_events_topic": ("kv_events", "text", None),
+    "kv_events_replay_endpoint": ("kv_events", "endpoint", None),
+    "kv_events_buffer_steps": ("kv_events", "int", 1),
 }
+
+# tcp://HOST:PORT with a name, an IPv4 address, [an IPv6 address] or * (every interface).
+_ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})")
+MAX_TEXT_PARAMETER_CHARS = 256
 
 
 def parse_parameter_value(name: str, kind: str, minimum: int | None, raw: str, base_dir: str | None = None):
@@ -188,6 +211,16 @@ def parse_parameter_value(name: str, kind: str, minimum: int | None, raw: str, b
         if text not in _CHOICES[name]:
             raise ConfigError(f"parameter '{name}': expected one of {', '.join(_CHOICES[name])}, got {raw!r}")
         return text
+    if kind == "endpoint":
+        match = _ENDPOINT.fullmatch(text)
+        if text and (match is None or not 0 < int(match.group(2)) < 65536):
+            raise ConfigError(f"parameter '{name}': expected tcp://HOST:PORT with a port in 1-65535 "
+                              f"(or empty), got {raw!r}")
+        return text
+    if kind == "text":
+        if len(text) > MAX_TEXT_PARAMETER_CHARS:
+            raise ConfigError(f"parameter '{name}': at most {MAX_TEXT_PARAMETER_CHARS} characters")
+        return text
     if kind == "path":
         if not text and name in ("kv_offload_dir", "speculative_model_dir"):
             return ""  # the default folder; no draft model
@@ -207,7 +240,8 @@ def parse_engine_config(
     Relative paths resolve against ``base_dir`` (the model's folder). Names in ``extra_names`` are
     accepted and ignored (they belong to the caller). Raises ConfigError naming the parameter.
     """
-    sections: dict[str, dict] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}, "structured_output": {}}
+    sections: dict[str, dict] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}, "structured_output": {},
+                                 "kv_events": {}}
     for name, raw in parameters.items():
         if name in extra_names:
             continue
@@ -226,6 +260,7 @@ def parse_engine_config(
         scheduler=SchedulerConfig(**sections["scheduler"]),
         speculative=SpeculativeConfig(**sections["speculative"]),
         structured_output=StructuredOutputConfig(**sections["structured_output"]),
+        kv_events=KVEventsConfig(**sections["kv_events"]),
     )
     validate_engine_config(config)
     return config
@@ -247,6 +282,7 @@ def validate_engine_config(config: EngineConfig) -> None:
             f"({model.max_model_len}) when enable_chunked_prefill is false"
         )
     _validate_speculative(config.speculative)
+    _validate_kv_events(config.kv_events, cache)
     if sched.default_max_tokens >= model.max_model_len:
         raise ConfigError(
             f"parameter 'default_max_tokens': must be < max_model_len ({model.max_model_len})"
@@ -254,6 +290,17 @@ def validate_engine_config(config: EngineConfig) -> None:
 
 
 MAX_SPECULATIVE_TOKENS = 16
+
+
+def _validate_kv_events(events: KVEventsConfig, cache: CacheConfig) -> None:
+    if events.kv_events_replay_endpoint and not events.kv_events_endpoint:
+        raise ConfigError("parameter 'kv_events_replay_endpoint': needs kv_events_endpoint (replay resends "
+                          "what that socket published)")
+    if events.enabled and events.kv_events_replay_endpoint == events.kv_events_endpoint:
+        raise ConfigError("parameter 'kv_events_replay_endpoint': must differ from kv_events_endpoint")
+    if events.enabled and not cache.enable_prefix_caching:
+        raise ConfigError("parameter 'kv_events_endpoint': needs enable_prefix_caching true (the events "
+                          "describe the prefix cache)")
 
 
 def _validate_speculative(spec: SpeculativeConfig) -> None:

@@ -22,6 +22,7 @@ def collect_engine_stats(engine) -> EngineStats:
         **_grammar_stats(engine.structured_output),
         **_offload_stats(engine.offloader),
         **_spec_decode_stats(engine.speculator),
+        **_kv_event_stats(engine.kv_event_publisher),
     )
 
 
@@ -43,6 +44,13 @@ def _offload_stats(offloader) -> dict:
             "kv_offload_recomputed_blocks": stats.recomputed_blocks,
             "kv_offload_dropped_blocks": stats.dropped_blocks,
             "kv_offload_load_seconds": offloader.take_load_seconds()}
+
+
+def _kv_event_stats(publisher) -> dict:
+    if publisher is None:
+        return {}
+    return {"kv_events_published_batches": publisher.stats.published_batches,
+            "kv_events_dropped_batches": publisher.stats.dropped_batches}
 
 
 def _spec_decode_stats(speculator) -> dict:

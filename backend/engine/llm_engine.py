@@ -38,6 +38,7 @@ from backend.engine.sampler import Sampler
 from backend.engine.scheduler import Scheduler
 from backend.engine.step_clock import PhaseClock
 from backend.engine.tokenizer import load_tokenizer
+from backend.kv_cache.event_publisher import publisher_from_config
 from backend.kv_cache.manager import KVCacheManager
 from backend.kv_cache.offload.block_io import PagedBlockIO
 from backend.kv_cache.offload.from_config import build_offloader
@@ -78,6 +79,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching,
                                                self.offloader)
         self.kv_cache_manager.copy_blocks = PagedBlockIO(self.model_runner.kv_caches).copy  # copy-on-write
+        # vLLM-format KV-cache events for a cache-aware router; None unless kv_events_endpoint is set.
+        self.kv_event_publisher = publisher_from_config(config.kv_events, self.kv_cache_manager, self.offloader)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager,
                                    is_held=is_held)
         self.sampler = Sampler(seed=config.model.seed)
@@ -187,6 +190,8 @@ class LLMEngine:
         outputs = self.output_processor.fail(request_ids, message)
         if kv_suspect:
             self.kv_cache_manager.reset_prefix_cache()
+            if self.kv_event_publisher is not None:
+                self.kv_event_publisher.flush()
         return outputs
 
     def fail_all(self, message: str) -> list[RequestOutput]:
@@ -209,6 +214,9 @@ class LLMEngine:
         (idempotent)."""
         if self.structured_output is not None:
             self.structured_output.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.flush()
+            self.kv_event_publisher.close()
         if self.offloader is None:
             return
         if self.offloader.tier.name == "disk" and not self.offloader.closed:
@@ -237,13 +245,20 @@ class LLMEngine:
             failed = self.fail_requests([r.request_id for r in self._step_requests], message)
             return StepOutput(failed, StepStats(num_seqs=len(self._step_requests)))
 
-    @torch.inference_mode()
     def step(self, timings: bool = False) -> StepOutput:
-        """One iteration: schedule, run, sample and update.
+        """One iteration: schedule, run, sample and update; then the step's KV-cache events go out.
 
         Returns the outputs and the step's statistics; ``timings`` adds seconds per phase
         (schedule, prepare, forward, logits, sample, detokenize).
         """
+        try:
+            return self._step(timings)
+        finally:
+            if self.kv_event_publisher is not None:
+                self.kv_event_publisher.flush()
+
+    @torch.inference_mode()
+    def _step(self, timings: bool) -> StepOutput:
         clock = PhaseClock() if timings else None
         outputs: list[RequestOutput] = self._take_grammar_failures()
         if self.speculator is not None:

@@ -77,6 +77,9 @@ class EngineStats:
     kv_offload_recomputed_blocks: int = 0  # in the tier, recomputed by the cost rule's choice
     kv_offload_dropped_blocks: int = 0  # the write queue was full
     kv_offload_load_seconds: list[float] = field(default_factory=list)  # loads finished since the last stats()
+    # KV-cache events (backend/kv_cache/event_publisher.py: PublisherStats), cumulative:
+    kv_events_published_batches: int = 0
+    kv_events_dropped_batches: int = 0  # the publisher's queue was full
     # Speculative decoding (backend/spec_decode/speculator.py: SpecDecodeStats), cumulative:
     spec_decode_num_draft_tokens: int = 0  # proposals verified
     spec_decode_num_accepted_tokens: int = 0

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
+
+if TYPE_CHECKING:
+    from backend.kv_cache.kv_events import KVEventLog
 
 BlockHash = NewType("BlockHash", int)
 
@@ -132,6 +135,8 @@ class BlockPool:
         # Called with a cached block about to be reused (its hash and KV still intact): the
         # offload tier's chance to keep it (backend/kv_cache/offload/offloader.py).
         self.on_evict: Callable[[KVCacheBlock], None] | None = None
+        # KV-cache events for routers (backend/kv_cache/kv_events.py); None: nobody listens.
+        self.events: KVEventLog | None = None
         # Prefix-cache statistics in tokens; the KV cache manager updates them.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -175,6 +180,8 @@ class BlockPool:
         # the same hash may own it (a stale hash must not evict a live entry).
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
         block.reset_hash()
 
     def get_cached_block(
@@ -222,6 +229,8 @@ class BlockPool:
         block.parent_hash = parent_hash
         block.token_ids = tuple(token_ids)
         self.cached_block_hash_to_block[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, block.token_ids)
         return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -261,3 +270,5 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.reset_hash()
         self.cached_block_hash_to_block.clear()
+        if self.events is not None:
+            self.events.cleared()

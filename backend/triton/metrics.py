@@ -64,17 +64,23 @@ def record_finish(timing: RequestTiming, output: RequestOutput, now: float, metr
         metrics.tpot.observe((now - timing.first_token_time) / (output.num_output_tokens - 1))
 
 
-# EngineStats field -> llm_kv_offload_<name>_total, with its description
-OFFLOAD_COUNTERS = (
-    ("kv_offload_stored_blocks", "stored_blocks", "KV blocks evicted from the pool and written to the offload tier"),
-    ("kv_offload_stored_bytes", "stored_bytes", "Bytes written to the KV offload tier"),
-    ("kv_offload_restored_blocks", "restored_blocks", "KV blocks loaded back from the offload tier"),
-    ("kv_offload_restored_bytes", "restored_bytes", "Bytes loaded back from the KV offload tier"),
-    ("kv_offload_hits", "hits", "Blocks missing from the pool that the offload tier held"),
-    ("kv_offload_misses", "misses", "Blocks missing from the pool and from the offload tier"),
-    ("kv_offload_recomputed_blocks", "recomputed_blocks",
+# EngineStats field -> a counter that grows by the field's change, with its description
+CUMULATIVE_COUNTERS = (
+    ("kv_offload_stored_blocks", "llm_kv_offload_stored_blocks_total",
+     "KV blocks evicted from the pool and written to the offload tier"),
+    ("kv_offload_stored_bytes", "llm_kv_offload_stored_bytes_total", "Bytes written to the KV offload tier"),
+    ("kv_offload_restored_blocks", "llm_kv_offload_restored_blocks_total", "KV blocks loaded back from the offload tier"),
+    ("kv_offload_restored_bytes", "llm_kv_offload_restored_bytes_total", "Bytes loaded back from the KV offload tier"),
+    ("kv_offload_hits", "llm_kv_offload_hits_total", "Blocks missing from the pool that the offload tier held"),
+    ("kv_offload_misses", "llm_kv_offload_misses_total", "Blocks missing from the pool and from the offload tier"),
+    ("kv_offload_recomputed_blocks", "llm_kv_offload_recomputed_blocks_total",
      "Blocks the offload tier held that the cost rule chose to recompute"),
-    ("kv_offload_dropped_blocks", "dropped_blocks", "Evicted blocks not offloaded because the write queue was full"),
+    ("kv_offload_dropped_blocks", "llm_kv_offload_dropped_blocks_total",
+     "Evicted blocks not offloaded because the write queue was full"),
+    ("kv_events_published_batches", "llm_kv_events_published_total",
+     "KV-cache event batches published for routers (kv_events_endpoint)"),
+    ("kv_events_dropped_batches", "llm_kv_events_dropped_total",
+     "KV-cache event batches dropped because the publisher's queue was full"),
 )
 OFFLOAD_LOAD_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
@@ -152,9 +158,8 @@ class TritonMetrics:
                                         "Structured-output constraints compiled (cache misses)", C)
         _, self.grammar_cache_hits = make("llm_structured_output_cache_hits_total",
                                           "Constrained requests whose grammar was already compiled or compiling", C)
-        self.offload_counters = {
-            field_name: make(f"llm_kv_offload_{name}_total", description, C)[1]
-            for field_name, name, description in OFFLOAD_COUNTERS
+        self.cumulative_counters = {
+            field_name: make(name, description, C)[1] for field_name, name, description in CUMULATIVE_COUNTERS
         }
         _, self.offload_load = make("llm_kv_offload_load_seconds",
                                     "Loading one request's blocks from the KV offload tier", H, OFFLOAD_LOAD_BUCKETS)
@@ -215,7 +220,7 @@ class TritonMetrics:
                     metric.increment(now)
         for seconds in stats.grammar_compile_seconds:
             self.grammar_compile.observe(seconds)
-        for field_name, metric in self.offload_counters.items():
+        for field_name, metric in self.cumulative_counters.items():
             now, before = getattr(stats, field_name), getattr(last, field_name) if last is not None else 0
             if now > before:
                 metric.increment(now - before)

@@ -128,6 +128,7 @@ class DiskTier(KVTier):
         size = self._files.pop(key, None)
         if size is not None:
             self._used -= size
+            self._removed(key)
         self._path(key).unlink(missing_ok=True)
 
     def _make_room(self, size: int) -> None:

@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -87,6 +88,9 @@ class KVOffloader:
         self._writer.start()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-reader")
         self._closed = False
+        # From the writer thread: a block now in the tier, and the queue emptied (KV events use both).
+        self.on_stored: Callable[[StoredBlock], None] | None = None
+        self.on_idle: Callable[[], None] | None = None
 
     @property
     def closed(self) -> bool:
@@ -134,12 +138,16 @@ class KVOffloader:
                     with self._lock:
                         self.stats.stored_blocks += 1
                         self.stats.stored_bytes += block.nbytes
+                    if self.on_stored is not None:
+                        self.on_stored(block)
             except Exception:
                 logger.exception("KV offload: writing a block failed")
             finally:
                 with self._lock:
                     self._in_flight.discard(block.block_hash)
                 self._queue.task_done()
+            if self.on_idle is not None and self._queue.empty():
+                self.on_idle()
 
     def flush(self, timeout: float = 10.0) -> None:
         """Waits until every queued block is written (tests, benchmarks, shutdown)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,13 @@ class KVTier(ABC):
             raise ValueError(f"capacity must be > 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.lock = threading.Lock()
+        # Called (under the lock) with the hash of each block the tier drops to make room or as
+        # unreadable: KV events tell routers it is gone.
+        self.on_removed: Callable[[int], None] | None = None
+
+    def _removed(self, block_hash: int) -> None:
+        if self.on_removed is not None:
+            self.on_removed(block_hash)
 
     @abstractmethod
     def __contains__(self, block_hash: int) -> bool: ...
@@ -97,6 +105,7 @@ class HostMemoryTier(KVTier):
             while self._blocks and self._used + stored.nbytes > self.capacity_bytes:
                 _, evicted = self._blocks.popitem(last=False)
                 self._used -= evicted.nbytes
+                self._removed(evicted.block_hash)
             self._blocks[block.block_hash] = stored
             self._used += stored.nbytes
         return True
