@@ -27,6 +27,7 @@ STUB_MODULES = (
     "backend.triton.llm_model",
     "backend.triton.iterative_model",
     "backend.triton.tokenizer_model",
+    "backend.triton.tokenizer_chat",
     "backend.triton.engine_model",
     "backend.triton.admission",
     "backend.triton.helpers",
