@@ -3,7 +3,9 @@
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as
 server-sent events, ``data: [DONE]`` last), ``GET /health`` (200 only while Triton's model is
 ready), ``GET /metrics`` (the front's own), and vLLM's ``POST /tokenize`` / ``POST /detokenize``
-(through Triton's `tokenizer` model). The front keeps no state between requests.
+and ``POST /v1/completions/render`` / ``POST /v1/chat/completions/render`` (a request's prompt
+ids without generating, for vllm-router: openai_front/render.py), all through Triton's
+`tokenizer` model. The front keeps no state between requests.
 
 Bounds: the body size, ``n``, ``max_tokens`` and prompts per request (openai_front/protocol.py),
 generations in flight (503 with Retry-After beyond ``max_concurrent``: nothing queues here), one
@@ -31,7 +33,8 @@ from openai_front.auth import OPEN_PATHS, ApiKeys
 from openai_front.errors import ApiError, bad_request
 from openai_front.metrics import FrontMetrics
 from openai_front.orphan_watch import ORPHAN_CHECK_SECONDS, OrphanWatch
-from openai_front.protocol import GenerationRequest, Limits, parse_chat, parse_completion
+from openai_front.protocol import GenerationRequest, Limits, parse_chat, parse_completion, parse_tokenize_chat
+from openai_front.render import completion_request_ids, generate_request
 from openai_front.responses import Choice, ChunkWriter, Usage, full_response, new_id
 from openai_front.triton_bridge import Piece, TritonBridge
 
@@ -357,6 +360,24 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
         metrics.requests.labels(endpoint, status).inc()
         metrics.latency.labels(endpoint).observe(time.monotonic() - arrived)
 
+    async def render(request: Request, endpoint: str, chat: bool):
+        """The prompt ids `llm` would compute for this request, and its sampling parameters, without
+        generating: one entry per prompt (openai_front/render.py)."""
+        try:
+            body = await read_json(request)
+            parsed = (parse_chat if chat else parse_completion)(body, settings.limits, served)
+            bridge = request.app.state.bridge
+            prompts = ([bridge.render_chat_ids(parsed.messages)] if chat else
+                       [bridge.tokenize(prompt) for prompt in parsed.prompts])
+            default_max_tokens, *prompt_ids = await asyncio.gather(bridge.default_max_tokens(), *prompts)
+            request_ids = [new_id(chat)] if chat else completion_request_ids(new_id(chat), len(prompt_ids))
+            answers = [generate_request(request_id, ids, parsed, default_max_tokens)
+                       for request_id, ids in zip(request_ids, prompt_ids, strict=True)]
+        except ApiError as error:
+            return error_response(endpoint, with_chat_param(error, chat))
+        metrics.requests.labels(endpoint, "200").inc()
+        return JSONResponse(answers[0] if chat else answers)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generate(request, "chat", True)
@@ -364,6 +385,14 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, "completions", False)
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(request: Request):
+        return await render(request, "chat_render", True)
+
+    @app.post("/v1/completions/render")
+    async def completions_render(request: Request):
+        return await render(request, "completions_render", False)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -388,16 +417,17 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
             if not isinstance(body, dict):
                 raise bad_request(None, "the body must be a JSON object")
             check_model(body)
-            if body.get("messages") is not None:
-                raise bad_request("messages", "messages: not supported by /tokenize here; send prompt")
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise bad_request("prompt", "prompt: required, a string")
-            add_special = body.get("add_special_tokens", True)
-            if not isinstance(add_special, bool):
-                raise bad_request("add_special_tokens", "add_special_tokens: expected a boolean")
             bridge = request.app.state.bridge
-            tokens = await bridge.tokenize(prompt, add_special)
+            if body.get("messages") is not None:
+                tokens = await bridge.render_chat_ids(parse_tokenize_chat(body))
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise bad_request("prompt", "prompt: required, a string")
+                add_special = body.get("add_special_tokens", True)
+                if not isinstance(add_special, bool):
+                    raise bad_request("add_special_tokens", "add_special_tokens: expected a boolean")
+                tokens = await bridge.tokenize(prompt, add_special)
             return {"tokens": tokens, "count": len(tokens), "max_model_len": await bridge.max_model_len()}
         except ApiError as error:
             return error_response("tokenize", error)

@@ -36,6 +36,8 @@ UNSUPPORTED = {"tools": "tool calling is not supported", "functions": "function 
                "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
                "web_search_options": "web search is not supported",
                "reasoning_effort": "reasoning_effort is not supported by this model"}
+# vLLM's /tokenize fields that would change a chat's ids, and that the tokenizer model does not implement.
+TOKENIZE_CHAT_UNSUPPORTED = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools")
 MAX_STOP_STRINGS = 32
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64
@@ -62,6 +64,7 @@ class GenerationRequest:
     echo: bool = False
     logprobs: int | None = None  # top tokens per position to return (0: the chosen one only); None: none
     sampling: dict = field(default_factory=dict)  # the `llm` model's sampling_parameters (vLLM's names)
+    stream_options: dict | None = None  # as sent (only with stream true)
     user: str = ""  # OpenAI's user field: the client's identity for per-client limits when no API key names one
 
 
@@ -155,8 +158,6 @@ def _check_fields(body: dict, known: frozenset[str]) -> None:
     modalities = body.get("modalities")
     if modalities not in (None, ["text"]):
         raise bad_request("modalities", "modalities: only [\"text\"] is supported")
-    if body.get("add_generation_prompt") is False:
-        raise bad_request("add_generation_prompt", "add_generation_prompt: only true is supported")
 
 
 def _common(body, chat: bool, limits: Limits, served_models: tuple[str, ...]) -> GenerationRequest:
@@ -216,18 +217,41 @@ def _common(body, chat: bool, limits: Limits, served_models: tuple[str, ...]) ->
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise bad_request("user", f"user: expected a string of at most {MAX_USER_CHARS} characters")
-    return GenerationRequest(chat, model, stream, include_usage, n, sampling=sampling, user=user or "")
+    return GenerationRequest(chat, model, stream, include_usage, n, sampling=sampling, stream_options=options,
+                             user=user or "")
 
 
-def parse_chat(body, limits: Limits, served_models: tuple[str, ...]) -> GenerationRequest:
-    request = _common(body, True, limits, served_models)
+def chat_messages(body: dict) -> list:
+    """A chat's messages, shape-checked (the `llm` model checks each further); always rendered with
+    the generation prompt."""
+    if body.get("add_generation_prompt") is False:
+        raise bad_request("add_generation_prompt", "add_generation_prompt: only true is supported")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", "messages: required, a non-empty list of messages")
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request("messages", f"messages[{index}]: expected an object with a role")
-    request.messages = messages
+    return messages
+
+
+def parse_tokenize_chat(body: dict) -> list:
+    """/tokenize's messages, which get the ids `llm` computes for the chat (vLLM's defaults: the
+    generation prompt added, no special tokens besides the template's)."""
+    if body.get("prompt") is not None:
+        raise bad_request("prompt", "prompt: send prompt or messages, not both")
+    if body.get("add_special_tokens", False) is not False:
+        raise bad_request("add_special_tokens", "add_special_tokens: only false with messages (the chat template "
+                                                "writes the special tokens)")
+    for name in TOKENIZE_CHAT_UNSUPPORTED:
+        if body.get(name) not in (None, False, {}, []):
+            raise bad_request(name, f"{name}: not supported by /tokenize here")
+    return chat_messages(body)
+
+
+def parse_chat(body, limits: Limits, served_models: tuple[str, ...]) -> GenerationRequest:
+    request = _common(body, True, limits, served_models)
+    request.messages = chat_messages(body)
     if _bool(body, "logprobs"):
         request.logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     elif body.get("top_logprobs") is not None:

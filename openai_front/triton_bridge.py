@@ -102,11 +102,20 @@ class TritonBridge:
 
     async def max_model_len(self) -> int | None:
         """config.pbtxt's max_model_len of the model (None when it does not say)."""
+        return await self._int_parameter("max_model_len")
+
+    async def default_max_tokens(self) -> int | None:
+        """config.pbtxt's default_max_tokens of the model: what a request that names no max_tokens
+        gets (None when it does not say)."""
+        return await self._int_parameter("default_max_tokens")
+
+    async def _int_parameter(self, name: str) -> int | None:
+        """A config.pbtxt parameter of the model as an integer (None when absent or unreadable)."""
         try:
             config = await self.client.get_model_config(self.model, as_json=True)
         except InferenceServerException:
             return None
-        value = config.get("config", {}).get("parameters", {}).get("max_model_len", {}).get("string_value")
+        value = config.get("config", {}).get("parameters", {}).get(name, {}).get("string_value")
         return int(value) if value and value.isdigit() else None
 
     async def generate(self, prompt: str | None, messages: list | None, sampling: dict, echo: bool = False,
@@ -146,6 +155,12 @@ class TritonBridge:
         inputs = [_tensor("text_input", _text(text)),
                   _tensor("add_special_tokens", np.array([[add_special_tokens]]))]
         result = await self._infer_tokenizer(inputs, "output_ids")
+        return result.as_numpy("output_ids").reshape(-1).tolist()
+
+    async def render_chat_ids(self, messages: list) -> list[int]:
+        """The prompt ids `llm` computes for these chat messages (its chat template with the
+        generation prompt), from the tokenizer model."""
+        result = await self._infer_tokenizer([_tensor("messages", _text(json.dumps(messages)))], "output_ids")
         return result.as_numpy("output_ids").reshape(-1).tolist()
 
     async def detokenize(self, ids: list[int]) -> str:
