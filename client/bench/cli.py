@@ -30,6 +30,7 @@ from client.bench.runner import (
     run_workload,
 )
 from client.bench.stats import SloTargets, compute_metrics
+from client.bench.tenants import Tenants, build_tenant_workload, prefix_reuse
 from client.bench.workload import RUN_SEED_STRIDE, SharedPrefix, WorkItem, build_workload
 
 
@@ -56,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", default="64", help="output tokens, same forms (default: %(default)s)")
     parser.add_argument("--num-prefixes", type=int, default=0, help="shared system prompts (0: none)")
     parser.add_argument("--prefix-len", type=int, default=0, help="tokens of each shared system prompt")
+    parser.add_argument("--tenants", type=int, default=0,
+                        help="multi-tenant sessions (client/bench/tenants.py): this many tenants, each with its own "
+                             "--system-len system prompt and growing multi-turn sessions; sets the request count")
+    parser.add_argument("--system-len", type=int, default=1024, help="--tenants: tokens of each system prompt")
+    parser.add_argument("--sessions-per-tenant", type=int, default=2, help="--tenants: sessions of each tenant")
+    parser.add_argument("--turns", type=int, default=3, help="--tenants: requests per session")
+    parser.add_argument("--user-len", type=int, default=48, help="--tenants: tokens of each user message")
+    parser.add_argument("--answer-len", type=int, default=48, help="--tenants: tokens of each answer kept in the history")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="clip prompt + output to this (default: the server's max_model_len parameter)")
     parser.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts and arrivals (default: %(default)s)")
@@ -121,13 +130,23 @@ def main(argv: list[str] | None = None) -> int:
     slo = SloTargets(None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
                      None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000)
 
+    tenants = (Tenants(args.tenants, args.system_len, args.sessions_per_tenant, args.turns, args.user_len,
+                       args.answer_len) if args.tenants > 0 else None)
+
     def workload(run_index: int, count: int) -> list[WorkItem]:
         return build_workload(builder, count, input_lengths, output_lengths, args.seed + run_index * RUN_SEED_STRIDE,
                               shared_prefix, max_model_len)
 
+    def run_items(run_index: int) -> list[WorkItem]:
+        if tenants is None:
+            return workload(run_index, args.num_requests)
+        return build_tenant_workload(builder, tenants, output_lengths, args.seed + run_index * RUN_SEED_STRIDE,
+                                     max_model_len)
+
     try:
-        print(f"building prompts: {len(sweep)} run(s) x {args.num_requests} requests", flush=True)
-        workloads = [workload(i, args.num_requests) for i in range(len(sweep))]
+        count = args.num_requests if tenants is None else tenants.num_requests
+        print(f"building prompts: {len(sweep)} run(s) x {count} requests", flush=True)
+        workloads = [run_items(i) for i in range(len(sweep))]
         warmup_items = workload(len(sweep), args.warmup) if args.warmup > 0 else []
     except PromptError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -149,12 +168,16 @@ def main(argv: list[str] | None = None) -> int:
             )
         records = [c.record for c in completed]
         metrics = compute_metrics(records, duration, slo, percentiles)
+        reuse = prefix_reuse(builder, list(items)) if tenants is not None else None
         run_start = min((r.start_time for r in records), default=0.0)
         mismatched = count_length_mismatches(completed)
         if mismatched:
             print(f"warning: {mismatched} requests had token counts other than requested", file=sys.stderr)
         runs.append({"arrival": pattern.to_dict(), "metrics": metrics.to_dict(), "num_mismatched_lengths": mismatched,
-                     "requests": request_rows(completed, run_start)})
+                     "prefix_reuse": reuse, "requests": request_rows(completed, run_start)})
+        if reuse is not None:
+            print(f"prefix reuse: {reuse['ideal_hit_rate']:.1%} of {reuse['prompt_tokens']} prompt tokens would hit "
+                  "one replica with an unbounded cache", flush=True)
         print(summary_line(pattern.label, metrics.to_dict()), flush=True)
 
     document = {
@@ -165,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             "output_len": output_lengths.to_dict(), "tokenizer": args.tokenizer, "corpus": args.corpus,
             "shared_prefix": None if shared_prefix is None else {"num_prefixes": shared_prefix.num_prefixes,
                                                                  "prefix_len": shared_prefix.prefix_len},
+            "tenants": None if tenants is None else tenants.to_dict(),
             "max_model_len": max_model_len, "seed": args.seed, "warmup": args.warmup,
             "ignore_eos": True, "stream": True,
         },
