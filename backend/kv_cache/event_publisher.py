@@ -1,7 +1,7 @@
 """Publishing KV-cache event batches on ZMQ the way vLLM does, without ever blocking a step.
 
 The wire is vLLM's ``ZmqEventPublisher``: a PUB socket sends ``(topic, sequence, payload)`` with the
-sequence an 8-byte big-endian counter and the payload a msgpack ``KVEventBatch``
+sequence an 8-byte big-endian counter from 0 and the payload a msgpack ``KVEventBatch``
 (backend/kv_cache/kv_events.py); an optional ROUTER socket answers replay requests from a
 subscriber that joined late or missed a sequence: it sends the 8-byte sequence to start from and
 gets every buffered batch from there, then an end marker (sequence -1, empty topic and payload).
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 END_SEQUENCE = (-1).to_bytes(8, "big", signed=True)
 POLL_SECONDS = 0.05
+FIRST_SUBSCRIBER_WAIT_SECONDS = 10.0
 
 
 @dataclass(slots=True)
@@ -59,7 +61,7 @@ class KVEventPublisher:
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queued_batches)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._context = zmq.Context()
-        self._pub = self._context.socket(zmq.PUB)
+        self._pub = self._context.socket(zmq.XPUB)  # a PUB that also hears subscriptions arrive
         self._replay = self._context.socket(zmq.ROUTER) if replay_endpoint else None
         try:
             self._pub.bind(endpoint)
@@ -105,30 +107,52 @@ class KVEventPublisher:
 
     # ----- the publisher thread -------------------------------------------------------------------
     def _run(self) -> None:
+        """Sends each batch live and keeps it for replay. Until the first subscriber arrives (at most
+        FIRST_SUBSCRIBER_WAIT_SECONDS) batches are numbered and kept for replay but held back from
+        the live socket: a router that knew this engine's predecessor (a restart on the same port)
+        takes a sequence lower than the last it saw for a restart and replays from 0, and sequence
+        0 is what it would otherwise miss while it reconnects (vllm-router 0.1.17 then took the
+        next batch for more of the old engine's and dropped its stores as having unknown parents)."""
         encoder = msgspec.msgpack.Encoder()
         sequence = 0
+        held: list[tuple[int, bytes]] = []
+        live_from = time.monotonic() + FIRST_SUBSCRIBER_WAIT_SECONDS
         try:
             while True:
+                while self._pub.poll(0):
+                    self._pub.recv()  # b"\x01" + topic: a subscription (or b"\x00": one ended)
+                    live_from = 0.0
+                if held and (time.monotonic() >= live_from or self._stopping.is_set()):
+                    for number, payload in held:
+                        self._send(number, payload)
+                    held = []
                 if self._replay is not None:
                     while self._replay.poll(0):
                         self._answer_replay()
                 try:
                     batch = self._queue.get(timeout=POLL_SECONDS)
                 except queue.Empty:
-                    if self._stopping.is_set():
+                    if self._stopping.is_set() and not held:
                         return
                     continue
                 if batch is None:
-                    return
+                    self._stopping.set()
+                    continue
                 payload = encoder.encode(batch)
-                self._pub.send_multipart((self.topic, sequence.to_bytes(8, "big"), payload))
                 self._buffer.append((sequence, payload))
+                if time.monotonic() >= live_from:
+                    self._send(sequence, payload)
+                else:
+                    held.append((sequence, payload))
                 self.stats.published_batches += 1
                 sequence += 1
         except Exception:
             logger.exception("KV events: the publisher thread failed; no more events are published")
         finally:
             self._close_sockets()
+
+    def _send(self, sequence: int, payload: bytes) -> None:
+        self._pub.send_multipart((self.topic, sequence.to_bytes(8, "big"), payload))
 
     def _answer_replay(self) -> None:
         assert self._replay is not None

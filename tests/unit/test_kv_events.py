@@ -272,3 +272,21 @@ def test_kv_event_parameters_parse():
                                   "kv_events_replay_endpoint": "tcp://[::1]:5558", "kv_events_topic": "kv"})
     assert config.kv_events.enabled and config.kv_events.kv_events_topic == "kv"
     assert not parse_engine_config({"model_dir": "/m"}).kv_events.enabled
+
+
+def test_the_first_batch_waits_for_a_subscriber_so_a_reconnecting_router_sees_the_restart():
+    address = endpoint()
+    publisher = KVEventPublisher(address)
+    context = zmq.Context()
+    try:
+        publisher.publish(KVEventBatch(0.0, [AllBlocksCleared()], 0))
+        publisher.publish(KVEventBatch(1.0, [BlockRemoved([7], "GPU")], 0))
+        time.sleep(0.5)  # nobody subscribed yet: a PUB would have sent and lost both
+        sub = subscriber(context, address)
+        batches = received(sub, settle=1.0)
+        assert [sequence for sequence, _ in batches] == [0, 1]
+        assert isinstance(batches[0][1].events[0], AllBlocksCleared)
+        sub.close(linger=0)
+    finally:
+        publisher.close()
+        context.term()
