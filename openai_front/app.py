@@ -34,7 +34,7 @@ from openai_front.errors import ApiError, bad_request
 from openai_front.metrics import FrontMetrics
 from openai_front.orphan_watch import ORPHAN_CHECK_SECONDS, OrphanWatch
 from openai_front.protocol import GenerationRequest, Limits, parse_chat, parse_completion, parse_tokenize_chat
-from openai_front.render import completion_request_ids, generate_request
+from openai_front.render import completion_request_ids, generate_request, without_router_fields
 from openai_front.responses import Choice, ChunkWriter, Usage, full_response, new_id
 from openai_front.triton_bridge import Piece, TritonBridge
 
@@ -364,7 +364,7 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
         """The prompt ids `llm` would compute for this request, and its sampling parameters, without
         generating: one entry per prompt (openai_front/render.py)."""
         try:
-            body = await read_json(request)
+            body = without_router_fields(await read_json(request))
             parsed = (parse_chat if chat else parse_completion)(body, settings.limits, served)
             bridge = request.app.state.bridge
             prompts = ([bridge.render_chat_ids(parsed.messages)] if chat else

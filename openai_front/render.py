@@ -14,6 +14,20 @@ from __future__ import annotations
 from openai_front.errors import bad_request
 from openai_front.protocol import GenerationRequest
 
+# vllm-router 0.1.17 adds these SGLang fields, with these values, to every body it renders (measured);
+# with them the prompt's ids are the same as without, so a render drops them instead of refusing an
+# unknown field. Any other value is left for the usual check to refuse.
+ROUTER_ADDED_FIELDS = {"no_stop_trim": False, "return_hidden_states": False, "continue_final_message": False,
+                       "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True}
+
+
+def without_router_fields(body):
+    """``body`` without the fields vllm-router adds to render requests (anything else untouched)."""
+    if not isinstance(body, dict):
+        return body
+    return {name: value for name, value in body.items()
+            if name not in ROUTER_ADDED_FIELDS or value is not ROUTER_ADDED_FIELDS[name]}
+
 
 def completion_request_ids(base_id: str, prompts: int) -> list[str]:
     """vLLM's ids for a completion's prompts: the base id for one, ``base-i`` for prompt i of several."""

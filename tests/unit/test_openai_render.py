@@ -164,3 +164,23 @@ def test_tokenize_renders_messages_with_the_chat_template():
     assert refusals == {"both": "prompt", "special": "add_special_tokens", "no generation prompt": "add_generation_prompt",
                         "continue": "continue_final_message"}
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions/render", "/v1/chat/completions/render"])
+def test_the_fields_vllm_router_adds_to_a_render_body_are_ignored(route):
+    """vllm-router 0.1.17's exact render body (measured): its SGLang extras must not make it a 400, or
+    the router routes by load alone."""
+    common = {"model": "llm", "max_tokens": 3, "stream": False, "no_stop_trim": False, "ignore_eos": False,
+              "skip_special_tokens": True, "return_hidden_states": False}
+    if "chat" in route:
+        body = {**common, "messages": CHAT, "logprobs": False, "continue_final_message": False,
+                "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True}
+    else:
+        body = {**common, "prompt": "ab", "echo": False}
+    with client_for(RenderBridge()) as client:
+        answer = client.post(route, json=body)
+        generating = client.post(route.removesuffix("/render"), json=body)
+        changed = client.post(route, json={**body, "no_stop_trim": True})
+    assert answer.status_code == 200, answer.text
+    assert generating.status_code == 400 and generating.json()["error"]["param"] == "no_stop_trim"
+    assert changed.status_code == 400  # another value is not the router's, and is refused as before
