@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
-EXTRAS ?= dev,perf
+EXTRAS ?= dev,perf,router
 PYTEST_ARGS ?=
 
 .PHONY: setup cpu-kernel tools serve test test-unit test-kernels test-integration lint demo-model real-model clean bench bench-engine triton-vs-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps peer-vllm-backend compare profile-step

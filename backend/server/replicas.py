@@ -1,0 +1,264 @@
+"""N replicas of the served model behind vllm-router, from one command.
+
+Each replica is what `make serve` runs (backend/server/launcher.py: tritonserver with the `llm` and
+`tokenizer` models, and the OpenAI front beside it) on its own ports, with its own copy of the
+model repository whose `llm` publishes KV-cache events on its own loopback port
+(``kv_events_endpoint`` and ``kv_events_replay_endpoint``, backend/kv_cache/event_publisher.py).
+vllm-router (the `router` extra of pyproject.toml) speaks OpenAI HTTP to the fronts; with the
+``kv_aware`` policy (the default) it subscribes to every replica's events and sends a request
+where the longest prefix of its tokens is already cached, asking a front for the token ids first
+(the front's render endpoints). The router health-checks the fronts' ``/health`` every few
+seconds, so a replica that dies stops getting requests and one that comes back gets them again;
+the launcher restarts its own tritonserver when it crashes.
+
+Command line: ``python -m backend.server.replicas [--replicas 2] [--policy kv_aware] [--port 8080]
+[--model-repository DIR]``; Ctrl-C stops the router and every replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from backend.config import parameters_from_pbtxt
+from backend.server.launcher import DEFAULT_MODEL_REPOSITORY, free_port, stop_process_group
+from backend.server.repository_copy import copy_repository
+
+POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "power_of_two", "random",
+            "sticky_least_loaded")
+REPLICA_MODELS = ("llm", "tokenizer")
+HEALTH_CHECK_INTERVAL_SECONDS = 2
+CIRCUIT_OPEN_SECONDS = 5  # vllm-router's default is 60
+
+
+class ReplicaError(RuntimeError):
+    """A replica or the router did not come up."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPorts:
+    http: int
+    grpc: int
+    metrics: int
+    openai: int
+    events: int
+    replay: int
+
+    @classmethod
+    def free(cls) -> ReplicaPorts:
+        return cls(*(free_port() for _ in range(6)))
+
+    @property
+    def url(self) -> str:
+        """The front, as the router addresses it."""
+        return f"http://127.0.0.1:{self.openai}"
+
+    @property
+    def events_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.events}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay}"
+
+
+def write_replica_repository(source: Path, destination: Path, ports: ReplicaPorts,
+                             overrides: dict[str, str] | None = None) -> Path:
+    """``destination`` with the replica's models, `llm` publishing KV events on the replica's ports
+    (and its parameters in ``overrides`` changed)."""
+    events = {"kv_events_endpoint": ports.events_endpoint, "kv_events_replay_endpoint": ports.replay_endpoint}
+    return copy_repository(source, destination, {**(overrides or {}), **events}, REPLICA_MODELS)
+
+
+def block_size_of(repository: Path) -> int:
+    """The `llm` model's KV block size (the router must hash with the same one)."""
+    parameters = parameters_from_pbtxt((repository / "llm" / "config.pbtxt").read_text(encoding="utf-8"))
+    return int(parameters.get("block_size", 16))
+
+
+def router_command(replicas: list[ReplicaPorts], policy: str, port: int, prometheus_port: int, block_size: int,
+                   host: str = "127.0.0.1", model: str = "llm", log_level: str = "info") -> list[str]:
+    binary = shutil.which("vllm-router", path=os.path.dirname(sys.executable)) or shutil.which("vllm-router")
+    if binary is None:
+        raise ReplicaError("vllm-router is not installed: `make setup` installs it (pyproject's router extra)")
+    command = [binary, "--host", host, "--port", str(port), "--policy", policy,
+               "--worker-urls", *(ports.url for ports in replicas),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
+               "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_SECONDS), "--health-failure-threshold", "1",
+               "--health-check-endpoint", "/health",
+               # A replica that failed requests is tried again after this; its launcher has it back in ~10 s.
+               "--cb-timeout-duration-secs", str(CIRCUIT_OPEN_SECONDS), "--log-level", log_level]
+    if policy == "kv_aware":
+        command += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
+        for ports in replicas:
+            command += ["--kv-event-source", f"{ports.url}={ports.events_endpoint}",
+                        "--kv-event-replay-source", f"{ports.url}={ports.replay_endpoint}"]
+    return command
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Replicas:
+    """The replicas and the router as processes; a context manager that always stops them all."""
+
+    def __init__(self, num_replicas: int = 2, policy: str = "kv_aware", port: int | None = None,
+                 model_repository: Path = DEFAULT_MODEL_REPOSITORY, log_dir: Path | None = None,
+                 host: str = "127.0.0.1", overrides: dict[str, str] | None = None, router_log_level: str = "info") -> None:
+        """``overrides``: `llm` parameters every replica changes; ``router_log_level`` debug logs each
+        routing decision (what the router believes each replica has cached)."""
+        if num_replicas < 1:
+            raise ValueError(f"--replicas: at least 1, got {num_replicas}")
+        if policy not in POLICIES:
+            raise ValueError(f"--policy: one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.host = host
+        self.overrides = dict(overrides or {})
+        self.router_log_level = router_log_level
+        self.port = port or free_port()
+        self.source = Path(model_repository).resolve()
+        self.work_dir = Path(tempfile.mkdtemp(prefix="replicas-"))
+        self.log_dir = Path(log_dir) if log_dir else self.work_dir
+        self.ports = [ReplicaPorts.free() for _ in range(num_replicas)]
+        self.processes: list[subprocess.Popen | None] = [None] * num_replicas
+        self.router: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_path(self, index: int | None) -> Path:
+        return self.log_dir / ("router.log" if index is None else f"replica-{index}.log")
+
+    def start_replica(self, index: int) -> None:
+        """Starts (or starts again) replica ``index`` on its ports."""
+        ports = self.ports[index]
+        repository = write_replica_repository(self.source, self.work_dir / f"replica-{index}", ports, self.overrides)
+        command = [sys.executable, "-m", "backend.server.launcher", "--model-repository", str(repository),
+                   "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),
+                   "--openai-port", str(ports.openai), "--",
+                   "--model-control-mode=explicit", *(f"--load-model={m}" for m in REPLICA_MODELS)]
+        with open(self.log_path(index), "ab") as log:
+            self.processes[index] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_replica(self, index: int, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not _healthy(f"{self.ports[index].url}/health"):
+            process = self.processes[index]
+            if process is None or process.poll() is not None or time.monotonic() > deadline:
+                raise ReplicaError(f"replica {index} did not become healthy; its log: {self.log_path(index)}\n"
+                                   f"{self.log_tail(index)}")
+            time.sleep(0.5)
+
+    def stop_replica(self, index: int) -> None:
+        """SIGTERM to the replica's launcher, which stops its tritonserver and front."""
+        process = self.processes[index]
+        if process is not None:
+            stop_process_group(process, 60.0)
+
+    def kill_tritonserver(self, index: int) -> int:
+        """SIGKILL to replica ``index``'s tritonserver and its stubs, as a crash; its launcher starts
+        it again. Returns the killed pid."""
+        launcher = self.processes[index]
+        if launcher is None:
+            raise ReplicaError(f"replica {index} is not running")
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                name, fields = (entry / "stat").read_text().rsplit(")", 1)
+            except OSError:
+                continue
+            if name.endswith("(tritonserver") and int(fields.split()[1]) == launcher.pid:
+                os.killpg(int(entry.name), signal.SIGKILL)
+                return int(entry.name)
+        raise ReplicaError(f"replica {index} has no tritonserver running")
+
+    def start(self, timeout: float = 300.0) -> Replicas:
+        """Every replica, then the router once they are all healthy."""
+        for index in range(len(self.ports)):
+            self.start_replica(index)
+        for index in range(len(self.ports)):
+            self.wait_replica(index, timeout)
+        self.start_router()
+        return self
+
+    def start_router(self) -> None:
+        command = router_command(self.ports, self.policy, self.port, free_port(), block_size_of(self.source),
+                                 host=self.host, log_level=self.router_log_level)
+        with open(self.log_path(None), "ab") as log:
+            self.router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not _healthy(f"{self.url}/health"):
+            if self.router.poll() is not None or time.monotonic() > deadline:
+                raise ReplicaError(f"vllm-router did not come up; its log:\n{self.log_tail(None)}")
+            time.sleep(0.25)
+
+    def log_tail(self, index: int | None, num_chars: int = 4000) -> str:
+        path = self.log_path(index)
+        return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
+
+    def stop(self) -> None:
+        if self.router is not None:
+            stop_process_group(self.router, 10.0)
+        for index in range(len(self.ports)):
+            self.stop_replica(index)
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def __enter__(self) -> Replicas:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backend.server.replicas", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--policy", choices=POLICIES, default="kv_aware")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("ROUTER_PORT", 8080)))
+    parser.add_argument("--model-repository", type=Path, default=Path(os.environ.get("MODEL_REPOSITORY",
+                                                                                      DEFAULT_MODEL_REPOSITORY)))
+    parser.add_argument("--log-dir", type=Path, default=None, help="replica and router logs (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    host = "127.0.0.1" if os.environ.get("TRITON_BIND_ALL") is None else "0.0.0.0"
+    stopping = False
+
+    def request_stop(signum, _frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    replicas = Replicas(args.replicas, args.policy, args.port, args.model_repository, args.log_dir, host)
+    try:
+        print(f"starting {args.replicas} replicas (logs in {replicas.log_dir})...", flush=True)
+        replicas.start()
+        print(f"vllm-router ({args.policy}) on {replicas.url}/v1 over " +
+              ", ".join(ports.url for ports in replicas.ports) + " (Ctrl-C stops all)", flush=True)
+        while not stopping:
+            time.sleep(0.5)
+    finally:
+        replicas.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
