@@ -75,7 +75,9 @@ def test_triton_services_reserve_a_gpu_mount_the_repo_and_check_readiness(servic
         volumes = mounts(service)
         assert volumes[str(WORKSPACE)] == (".", "ro"), f"{name}: the repository must be mounted read-only"
         command = command_text(service)
-        assert "tritonserver --model-repository /workspace/model_repository" in command
+        copy = re.search(r"repository_copy --source /workspace/model_repository --out (\S+)", command)
+        assert copy and f"exec tritonserver --model-repository {copy.group(1)}" in command
+        assert copy.group(1).startswith("/workspace/models/")  # backend/ is a folder above it, and it is writable
         assert "--metrics-port 8002" in command and "--grpc-port 8001" in command
         assert "requirements-ngc.txt" in command
         health = " ".join(service["healthcheck"]["test"])
@@ -204,3 +206,28 @@ def test_docker_compose_accepts_the_file_when_available():
         done = subprocess.run([docker, "compose", "-f", str(COMPOSE), *args, "config", "-q"],
                               capture_output=True, text=True, cwd=REPO_ROOT)
         assert done.returncode == 0, done.stderr
+
+
+def test_the_router_routes_over_every_replicas_front_with_its_kv_events(services):
+    router = services["router"]
+    assert router["profiles"] == ["scale"]
+    command = command_text(router)
+    assert "--policy kv_aware" in command and "requirements-router.txt" in command
+    fronts = {name: s for name, s in services.items() if "python3 -m openai_front" in command_text(s)}
+    workers = re.search(r"--worker-urls ((?:http://\S+ ?)+)", command).group(1).split()
+    assert sorted(workers) == sorted(f"http://{name}:9000" for name in fronts)
+    sources = dict(re.findall(r"--kv-event-source (\S+)=(\S+)", command))
+    replays = dict(re.findall(r"--kv-event-replay-source (\S+)=(\S+)", command))
+    for name, front in fronts.items():
+        triton = re.search(r"--triton-url (\S+):8001", command_text(front)).group(1)
+        replica_command = command_text(services[triton])
+        port = re.search(r"kv_events_endpoint=tcp://\*:(\d+)", replica_command).group(1)
+        replay_port = re.search(r"kv_events_replay_endpoint=tcp://\*:(\d+)", replica_command).group(1)
+        assert sources[f"http://{name}:9000"] == f"tcp://{triton}:{port}"
+        assert replays[f"http://{name}:9000"] == f"tcp://{triton}:{replay_port}"
+        assert router["depends_on"][name]["condition"] == "service_healthy"
+    config = (REPO_ROOT / "model_repository/llm/config.pbtxt").read_text()
+    block_size = re.search(r'key: "block_size" value: \{ string_value: "(\d+)"', config).group(1)
+    assert f"--kv-event-block-size {block_size}" in command
+    pin = (REPO_ROOT / "deploy/requirements-router.txt").read_text().strip()
+    assert pin in (REPO_ROOT / "pyproject.toml").read_text()
