@@ -45,8 +45,10 @@ class OpenAIStreamingClient:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def generate(self, prompt: str, max_tokens: int, ignore_eos: bool = True, on_chunk=None) -> StreamResult:
-        """Streams one completion; ``on_chunk(result)`` runs after each chunk that carried text."""
+    def generate(self, prompt: str, max_tokens: int, ignore_eos: bool = True, on_chunk=None,
+                 headers: dict[str, str] | None = None) -> StreamResult:
+        """Streams one completion; ``on_chunk(result)`` runs after each chunk that carried text.
+        ``headers`` go with the request (a router's session key, say)."""
         body = json.dumps({
             "model": self.model, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": 0.0,
             "ignore_eos": bool(ignore_eos), "stream": True, "stream_options": {"include_usage": True},
@@ -55,7 +57,8 @@ class OpenAIStreamingClient:
             self._connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         result = StreamResult(start_time=time.monotonic())
         self._connection.request("POST", "/v1/completions", body=body,
-                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream",
+                                          **(headers or {})})
         response = self._connection.getresponse()
         if response.status != 200:
             detail = response.read().decode("utf-8", "replace")[:500]

@@ -116,7 +116,8 @@ class _User:
             if self.client is None:
                 self.client = OpenAIStreamingClient(self.url, self.model, self.timeout_s)
             result = self.client.generate(item.prompt, item.max_tokens, ignore_eos=True,
-                                          on_chunk=lambda _result: progress.add_tokens(1))
+                                          on_chunk=lambda _result: progress.add_tokens(1),
+                                          headers=self.headers(item) if self.headers is not None else None)
         except Exception as exc:  # noqa: BLE001 (connection refused, timeouts: a failed request, not a crash)
             self.close(cancel=True)
             return self._failed(item, start, exc, progress)
@@ -163,8 +164,8 @@ def run_workload(
     """Runs every item under ``pattern`` against ``api`` at ``url``; returns results in item order and
     the wall duration (s). ``shared_stream`` (Triton only): every user's requests on one gRPC stream
     (client.stream.SharedStream) instead of a stream per user: the same requests, a fraction of the
-    client's CPU, which shares the machine with the server here. ``headers`` (Triton only): each
-    request on a fresh stream opened with ``headers(item)`` as its gRPC metadata."""
+    client's CPU, which shares the machine with the server here. ``headers``: each request's
+    ``headers(item)``, as the gRPC metadata of a fresh stream (Triton) or HTTP headers (OpenAI)."""
     progress = progress or Progress(pattern.label, len(items), interval_s=0)
     results: list[CompletedRequest | None] = [None] * len(items)
     offsets = send_offsets(pattern, len(items), seed)

@@ -1,0 +1,163 @@
+"""Routing policies over N replicas on a multi-tenant workload: vllm-router's policies and our nginx hash.
+
+    .venv/bin/python -m perf.router_bench [--model demo|smollm2] [--replicas 3] [--rounds 1]
+        [--policies kv_aware,cache_aware,consistent_hash,round_robin,nginx] [--tenants 6 ...]
+
+For each round, each policy in turn (alternating across rounds) gets fresh replicas (empty prefix
+caches; backend/server/replicas.py) whose KV pools are sized so that one replica cannot hold every
+tenant's system prompt, and the same requests (client.bench's tenant workload: T tenants with
+their own long system prompts, growing multi-turn sessions, Poisson arrivals). vllm-router's
+policies get the requests over OpenAI HTTP with an ``x-session-id`` header naming the session
+(what ``consistent_hash`` keys on); ``nginx`` is our compose routing (deploy/nginx.conf: consistent
+hash of the same header) over Triton gRPC. Reported per policy: TTFT and ITL p50/p99, output
+tokens/s, requests per replica, and the fleet's prefix-cache hit rate (hits / lookups summed over
+the replicas' /metrics) against the ideal of one replica with an unbounded cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from backend.config import engine_config_from_model_folder
+from backend.paths import REPO_ROOT
+from backend.server.replicas import Replicas
+from client.bench.arrivals import ArrivalPattern
+from client.bench.lengths import parse_length
+from client.bench.metadata import git_state, machine_info, now_iso
+from client.bench.prompts import PromptBuilder
+from client.bench.runner import API_OPENAI, API_TRITON, run_workload
+from client.bench.stats import compute_metrics
+from client.bench.tenants import Tenants, build_tenant_workload, prefix_reuse
+from client.bench.workload import WorkItem
+from deploy.local_nginx import start_nginx
+from deploy.replica_metrics import PREFIX_HITS, PREFIX_QUERIES, SUCCESS, read_counters
+from perf.served import RESULTS_DIR
+
+REPOSITORIES = {"demo": REPO_ROOT / "models" / "demo-repository", "smollm2": REPO_ROOT / "model_repository"}
+POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "nginx")
+
+
+def session_key(items: list[WorkItem]) -> dict[int, str]:
+    """id(item) -> its session's key: the prompt's first turn identifies the session."""
+    keys, sessions = {}, {}
+    for item in items:
+        for start, key in sessions.items():
+            if item.prompt.startswith(start):
+                keys[id(item)] = key
+                break
+        else:
+            sessions[item.prompt] = f"session-{len(sessions)}"
+            keys[id(item)] = sessions[item.prompt]
+    return keys
+
+
+def measure(policy: str, args, items: list[WorkItem], overrides: dict[str, str]) -> dict:
+    keys = session_key(items)
+    router_policy = "round_robin" if policy == "nginx" else policy
+    replicas = Replicas(args.replicas, router_policy, model_repository=REPOSITORIES[args.model], overrides=overrides)
+    proxy = None
+    try:
+        if policy == "nginx":
+            for index in range(args.replicas):
+                replicas.start_replica(index)
+            for index in range(args.replicas):
+                replicas.wait_replica(index)
+            proxy = start_nginx(replicas.port, [ports.grpc for ports in replicas.ports], consistent_hash=True)
+            url, api = proxy.url, API_TRITON
+        else:
+            replicas.start()
+            url, api = replicas.url, API_OPENAI
+        metrics_urls = [f"http://127.0.0.1:{ports.metrics}/metrics" for ports in replicas.ports]
+        before = [read_counters(u) for u in metrics_urls]
+        pattern = ArrivalPattern("rate", args.request_rate)
+        completed, duration = run_workload(url, "llm", items, pattern, seed=args.seed, timeout_s=args.timeout,
+                                           api=api, headers=lambda item: {"x-session-id": keys[id(item)]})
+        time.sleep(1.0)  # the last counters reach /metrics
+        after = [read_counters(u) for u in metrics_urls]
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        replicas.stop()
+    delta = [{name: a[name] - b[name] for name in a} for a, b in zip(after, before, strict=True)]
+    hits, queries = sum(d[PREFIX_HITS] for d in delta), sum(d[PREFIX_QUERIES] for d in delta)
+    metrics = compute_metrics([c.record for c in completed], duration, None, (50, 99)).to_dict()
+    return {"policy": policy, "metrics": metrics, "hit_rate": hits / queries if queries else 0.0,
+            "requests_per_replica": [int(d[SUCCESS]) for d in delta], "duration_s": duration}
+
+
+def median_row(policy: str, runs: list[dict], ideal: float) -> str:
+    def med(path) -> float:
+        return statistics.median(path(run) for run in runs)
+
+    m = lambda name, q: med(lambda r: r["metrics"][name][q])  # noqa: E731
+    hit = med(lambda r: r["hit_rate"])
+    per_replica = "/".join(str(n) for n in runs[-1]["requests_per_replica"])
+    return (f"| {policy} | {m('ttft_ms', 'p50'):.0f} | {m('ttft_ms', 'p99'):.0f} | {m('itl_ms', 'p50'):.0f} | "
+            f"{m('itl_ms', 'p99'):.0f} | {med(lambda r: r['metrics']['output_token_throughput']):.1f} | "
+            f"{100 * hit:.1f}% ({100 * hit / ideal:.0f}% of ideal) | {per_replica} | "
+            f"{sum(r['metrics']['num_errors'] for r in runs)} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.router_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=tuple(REPOSITORIES), default="demo")
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--tenants", type=int, default=6)
+    parser.add_argument("--system-len", type=int, default=1024)
+    parser.add_argument("--sessions-per-tenant", type=int, default=2)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--user-len", type=int, default=48)
+    parser.add_argument("--answer-len", type=int, default=48)
+    parser.add_argument("--output-len", default="16")
+    parser.add_argument("--request-rate", type=float, default=2.0, help="Poisson arrivals per second")
+    parser.add_argument("--num-kv-blocks", type=int, default=0,
+                        help="KV blocks per replica (default: room for about a third of the tenants' prompts)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--out", default=str(RESULTS_DIR / "router_bench.json"))
+    args = parser.parse_args(argv)
+    config = engine_config_from_model_folder(str(REPOSITORIES[args.model] / "llm"))
+    builder = PromptBuilder(config.model.tokenizer_dir)
+    tenants = Tenants(args.tenants, args.system_len, args.sessions_per_tenant, args.turns, args.user_len,
+                      args.answer_len)
+    items = build_tenant_workload(builder, tenants, parse_length(args.output_len), args.seed,
+                                  config.model.max_model_len)
+    ideal = prefix_reuse(builder, items, config.cache.block_size)
+    session_tokens = args.system_len + args.turns * (args.user_len + args.answer_len)
+    num_kv_blocks = args.num_kv_blocks or max(16, args.tenants * session_tokens // (3 * config.cache.block_size))
+    overrides = {"num_kv_blocks": str(num_kv_blocks), "max_num_seqs": "16"}
+    print(f"{len(items)} requests from {args.tenants} tenants; ideal hit rate {100 * ideal['ideal_hit_rate']:.1f}%; "
+          f"{num_kv_blocks} KV blocks per replica", flush=True)
+    policies = [p for p in args.policies.split(",") if p]
+    results: dict[str, list[dict]] = {p: [] for p in policies}
+    for round_index in range(args.rounds):
+        order = policies if round_index % 2 == 0 else policies[::-1]
+        for policy in order:
+            print(f"[round {round_index + 1}/{args.rounds}] {policy}: starting {args.replicas} replicas...", flush=True)
+            result = measure(policy, args, items, overrides)
+            results[policy].append(result)
+            m = result["metrics"]
+            print(f"[{policy}] TTFT p50 {m['ttft_ms']['p50']:.0f} ms, hit rate {100 * result['hit_rate']:.1f}%, "
+                  f"{m['output_token_throughput']:.1f} tok/s, per replica {result['requests_per_replica']}", flush=True)
+    lines = ["| policy | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s | fleet hit rate | "
+             "requests per replica | errors |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
+    lines += [median_row(p, runs, ideal["ideal_hit_rate"]) for p, runs in results.items()]
+    table = "\n".join(lines)
+    print(table)
+    document = {"tool": "perf.router_bench", "created": now_iso(), "git": git_state(), "machine": machine_info(),
+                "model": args.model, "dtype": config.model.dtype, "settings": vars(args), "overrides": overrides,
+                "tenants": tenants.to_dict(), "ideal": ideal, "results": results, "table": table}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(document, indent=2))
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
