@@ -29,7 +29,12 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from backend.config import StructuredOutputConfig
-from backend.structured_output.compile_worker import NICE, CompileInterrupted, CompileWorker, CompileWorkerError
+from backend.structured_output.compile_worker import (
+    NICE,
+    CompileInterrupted,
+    CompileWorker,
+    CompileWorkerError,
+)
 from backend.structured_output.spec import (
     StructuredOutputError,
     StructuredOutputSpec,

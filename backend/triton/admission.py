@@ -19,7 +19,7 @@ from backend.engine.input_processor import EngineInputError, InputProcessor
 from backend.engine_core.admission import BusyError
 from backend.engine_core.engine_client import EngineClient
 from backend.engine_core.messages import AddRequest
-from backend.triton.client_priority import ClientPriorityRange
+from backend.triton.client_priority import DEFAULT_PRIORITY_RANGE, ClientPriorityRange
 from backend.triton.helpers import input_getter, requested_outputs, send_error
 from backend.triton.inputs import InputError, parse_request
 from backend.triton.response_state import ResponseState
@@ -32,7 +32,7 @@ OnAccept = Callable[[ResponseState, object], None]  # (the request's state, its 
 class RequestAdmission:
     def __init__(self, pb, engine: EngineClient, inputs: InputProcessor, default_max_tokens: int,
                  max_prompt_bytes: int | None = None, stream_interval: int = 1,
-                 priorities: ClientPriorityRange = ClientPriorityRange()):
+                 priorities: ClientPriorityRange = DEFAULT_PRIORITY_RANGE):
         self.pb = pb
         self.engine = engine
         self.inputs = inputs

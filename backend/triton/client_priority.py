@@ -37,6 +37,9 @@ class ClientPriorityRange:
                          f"{self.low} to {self.high} (parameter client_priority_range)")
 
 
+DEFAULT_PRIORITY_RANGE = ClientPriorityRange()  # the parameter's default: only priority 0
+
+
 def parse_client_priority_range(parameters: dict[str, str]) -> ClientPriorityRange:
     """The parameters ``client_priority_range`` and ``client_priority_clamp``; ConfigError naming them."""
     text = parameters.get("client_priority_range", "0").strip() or "0"

@@ -21,7 +21,6 @@ from backend.engine.input_processor import InputProcessor
 from backend.engine_core.engine_client import EngineClient, make_engine_client
 from backend.engine_core.stub_watch import recorded_recoveries
 from backend.triton.client_priority import parse_client_priority_range
-from backend.triton.load_metrics import LoadMetrics
 from backend.triton.helpers import (
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
     bool_parameter,
@@ -34,6 +33,7 @@ from backend.triton.helpers import (
     stub_watch,
     triton_readiness_url,
 )
+from backend.triton.load_metrics import LoadMetrics
 
 logger = logging.getLogger(__name__)
 

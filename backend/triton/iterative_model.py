@@ -39,7 +39,7 @@ from backend.engine_core.admission import UNLOADING_MESSAGE
 from backend.engine_core.engine_client import empty_stats
 from backend.engine_core.step_on_demand import CoreLost, StepOnDemandClient
 from backend.triton.admission import RequestAdmission
-from backend.triton.client_priority import ClientPriorityRange
+from backend.triton.client_priority import DEFAULT_PRIORITY_RANGE, ClientPriorityRange
 from backend.triton.engine_model import EngineModel
 from backend.triton.periodic import PeriodicThread
 from backend.triton.response_state import ResponseState
@@ -78,7 +78,7 @@ class IterativeDriver:
 
     def __init__(self, pb, engine: StepOnDemandClient, inputs, model_name: str, default_max_tokens: int,
                  metrics=None, max_prompt_bytes: int | None = None, stream_interval: int = 1,
-                 priorities: ClientPriorityRange = ClientPriorityRange()):
+                 priorities: ClientPriorityRange = DEFAULT_PRIORITY_RANGE):
         self.pb = pb
         self.engine = engine
         self.inputs = inputs
