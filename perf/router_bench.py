@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                                   config.model.max_model_len)
     ideal = prefix_reuse(builder, items, config.cache.block_size)
     session_tokens = args.system_len + args.turns * (args.user_len + args.answer_len)
-    num_kv_blocks = args.num_kv_blocks or max(16, args.tenants * session_tokens // (3 * config.cache.block_size))
+    # A third of the tenants' sessions per replica, but room for 4 of the longest requests at once.
+    longest = -(-(session_tokens + 64) // config.cache.block_size)
+    num_kv_blocks = args.num_kv_blocks or max(4 * longest, args.tenants * session_tokens // (3 * config.cache.block_size))
     overrides = {"num_kv_blocks": str(num_kv_blocks), "max_num_seqs": "16"}
     print(f"{len(items)} requests from {args.tenants} tenants; ideal hit rate {100 * ideal['ideal_hit_rate']:.1f}%; "
           f"{num_kv_blocks} KV blocks per replica", flush=True)
@@ -143,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             result = measure(policy, args, items, overrides)
             results[policy].append(result)
             m = result["metrics"]
+            if m["errors"]:
+                print(f"[{policy}] errors: {m['errors']}", flush=True)
+            if not m["num_completed"]:
+                raise SystemExit(f"[{policy}] no request completed")
             print(f"[{policy}] TTFT p50 {m['ttft_ms']['p50']:.0f} ms, hit rate {100 * result['hit_rate']:.1f}%, "
                   f"{m['output_token_throughput']:.1f} tok/s, per replica {result['requests_per_replica']}", flush=True)
     lines = ["| policy | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s | fleet hit rate | "
