@@ -283,7 +283,7 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
     async def generate(request: Request, endpoint: str, chat: bool):
         arrived = time.monotonic()
         try:
-            body = await read_json(request)
+            body = without_router_fields(await read_json(request))
             parsed = (parse_chat if chat else parse_completion)(body, settings.limits, served)
             client = client_of(request, parsed)
             if client:

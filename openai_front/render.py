@@ -14,9 +14,10 @@ from __future__ import annotations
 from openai_front.errors import bad_request
 from openai_front.protocol import GenerationRequest
 
-# vllm-router 0.1.17 adds these SGLang fields, with these values, to every body it renders (measured);
-# with them the prompt's ids are the same as without, so a render drops them instead of refusing an
-# unknown field. Any other value is left for the usual check to refuse.
+# vllm-router 0.1.17 adds these SGLang fields, with these values, to every body it renders and, in
+# its cache_aware policy, to the requests it forwards (measured); with these values they change
+# nothing here, so the front drops them instead of refusing unknown fields. Any other value is left
+# for the usual check to refuse.
 ROUTER_ADDED_FIELDS = {"no_stop_trim": False, "return_hidden_states": False, "continue_final_message": False,
                        "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True}
 

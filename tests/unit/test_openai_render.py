@@ -167,9 +167,9 @@ def test_tokenize_renders_messages_with_the_chat_template():
 
 
 @pytest.mark.parametrize("route", ["/v1/completions/render", "/v1/chat/completions/render"])
-def test_the_fields_vllm_router_adds_to_a_render_body_are_ignored(route):
+def test_the_fields_vllm_router_adds_to_a_body_are_ignored(route):
     """vllm-router 0.1.17's exact render body (measured): its SGLang extras must not make it a 400, or
-    the router routes by load alone."""
+    the router routes by load alone; its cache_aware policy forwards them to the generating routes."""
     common = {"model": "llm", "max_tokens": 3, "stream": False, "no_stop_trim": False, "ignore_eos": False,
               "skip_special_tokens": True, "return_hidden_states": False}
     if "chat" in route:
@@ -179,8 +179,8 @@ def test_the_fields_vllm_router_adds_to_a_render_body_are_ignored(route):
         body = {**common, "prompt": "ab", "echo": False}
     with client_for(RenderBridge()) as client:
         answer = client.post(route, json=body)
-        generating = client.post(route.removesuffix("/render"), json=body)
         changed = client.post(route, json={**body, "no_stop_trim": True})
+        generating = client.post(route.removesuffix("/render"), json={**body, "no_stop_trim": True})
     assert answer.status_code == 200, answer.text
-    assert generating.status_code == 400 and generating.json()["error"]["param"] == "no_stop_trim"
     assert changed.status_code == 400  # another value is not the router's, and is refused as before
+    assert generating.status_code == 400 and generating.json()["error"]["param"] == "no_stop_trim"
