@@ -47,7 +47,8 @@ class PublisherStats:
 
 
 class KVEventPublisher:
-    """One PUB socket (and optionally one replay ROUTER socket) served by one thread."""
+    """One XPUB socket (a PUB that hears subscriptions) and optionally one replay ROUTER socket, served
+    by one thread."""
 
     def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str = "", buffer_steps: int = 10_000,
                  max_queued_batches: int = 1_000, log: KVEventLog | None = None) -> None:
