@@ -13,6 +13,7 @@ has it back, its fresh events attract requests again.
 from __future__ import annotations
 
 import json
+import random
 import re
 import threading
 import time
@@ -36,7 +37,9 @@ OVERRIDES = {"num_kv_blocks": "48", "block_size": "16", "max_num_seqs": "8"}  # 
 
 
 def prompt(seed: int, words: int = 90) -> str:
-    return " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words))
+    """A text of its own for each seed (distinct from the first word on)."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 def complete(base_url: str, text: str, max_tokens: int = 2, timeout: float = 60) -> dict:
@@ -177,17 +180,18 @@ def test_a_killed_replica_is_routed_around_and_its_fresh_events_attract_once_it_
     assert sum(ok for _, ok in outcomes) >= 6
     replicas.wait_replica(0, timeout=180)  # the launcher started it again
     back = time.monotonic() - killed
-    shared = prompt(4)
-    complete(replicas.ports[0].url, shared + " on the restarted replica")  # its new engine's first blocks
-    time.sleep(EVENT_DELAY_S)
-    log.skip()
     decisions = []
-    deadline = time.monotonic() + 30  # health checks and the circuit breaker let it back in
+    deadline = time.monotonic() + 40  # health checks and the circuit breaker let it back in
     while time.monotonic() < deadline:
-        decisions.append(routed(replicas, log, f"{shared} through the router {len(decisions)}"))
+        # A prefix only the restarted engine holds each time: a probe the router sends to the other
+        # replica caches it there, so the next probe needs a new one.
+        shared = prompt(50 + len(decisions))
+        complete(replicas.ports[0].url, shared + " on the restarted replica")
+        time.sleep(EVENT_DELAY_S)
+        log.skip()
+        decisions.append(routed(replicas, log, shared + " through the router"))
         if decisions[-1][0] == 0:
             break
-        time.sleep(1.0)
     rejoined = time.monotonic() - killed
     print(f"replica 0 healthy again {back:.1f} s after the kill, routed to again after {rejoined:.1f} s")
     index, credited = decisions[-1]
