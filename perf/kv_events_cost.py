@@ -12,11 +12,9 @@ engine published and dropped.
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import statistics
 import time
-from pathlib import Path
 
 import zmq
 
@@ -24,6 +22,7 @@ from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
 from backend.paths import REPO_ROOT
 from client.bench.metadata import git_state, machine_info, now_iso
+from client.bench.report import write_json
 from perf import engine_driver
 
 MODES = ("off", "no subscriber", "never reads", "leaves after 5 steps")
@@ -121,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     document = {"tool": "perf.kv_events_cost", "created": now_iso(), "git": git_state(), "machine": machine_info(),
                 "model_dir": config.model.model_dir, "dtype": args.dtype, "settings": vars(args), "runs": results,
                 "table": table}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(document, indent=2))
+    write_json(document, args.out)
     print(f"written to {args.out}")
     return 0
 

@@ -17,10 +17,8 @@ the replicas' /metrics) against the ideal of one replica with an unbounded cache
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from backend.config import engine_config_from_model_folder
 from backend.paths import REPO_ROOT
@@ -29,6 +27,7 @@ from client.bench.arrivals import ArrivalPattern
 from client.bench.lengths import parse_length
 from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.prompts import PromptBuilder
+from client.bench.report import write_json
 from client.bench.runner import API_OPENAI, API_TRITON, run_workload
 from client.bench.stats import compute_metrics
 from client.bench.tenants import Tenants, build_tenant_workload, prefix_reuse
@@ -159,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     document = {"tool": "perf.router_bench", "created": now_iso(), "git": git_state(), "machine": machine_info(),
                 "model": args.model, "dtype": config.model.dtype, "settings": vars(args), "overrides": overrides,
                 "tenants": tenants.to_dict(), "ideal": ideal, "results": results, "table": table}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(document, indent=2))
+    write_json(document, args.out)
     print(f"written to {args.out}")
     return 0
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backend.kv_cache.block_pool import hash_block_tokens
 from client.bench.lengths import LengthDistribution
 from client.bench.prompts import PromptBuilder, PromptError
 from client.bench.workload import WorkItem
@@ -77,14 +78,14 @@ def build_tenant_workload(builder: PromptBuilder, tenants: Tenants, output_lengt
 
 def prefix_reuse(builder: PromptBuilder, items: list[WorkItem], block_size: int = 16) -> dict:
     """Prompt tokens in full blocks an unbounded prefix cache would hit, in request order."""
-    seen: set[int] = set()  # chained block hashes, as the engine's prefix cache keys blocks
+    seen: set[int] = set()  # the engine's prefix-cache keys: chained block hashes
     total = hit = 0
     for item in items:
         ids = builder.tokenizer.encode(item.prompt, add_special_tokens=True).ids
         total += len(ids)
-        key = 0
+        key = None
         for end in range(block_size, len(ids) + 1, block_size):
-            key = hash((key, tuple(ids[end - block_size:end])))
+            key = hash_block_tokens(key, ids[end - block_size:end])
             if key in seen:
                 hit += block_size
             else:
