@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -160,11 +161,30 @@ def live_processes_in_group(pgid: int) -> list[int]:
     return alive
 
 
+# Ports handed out are below Linux's ephemeral range (32768-60999), where the kernel never picks the
+# local port of an outgoing connection: a port the OS offered as free (bind to 0) could be taken by
+# some client's connection before the server meant for it binds it (measured: a replica's metrics
+# port "already in use" ten restarts in a row).
+FREE_PORT_RANGE = (20000, 32767)
+_handed_out: set[int] = set()
+_port_choice = random.Random()  # its own state: a test seeding `random` does not repeat ports
+
+
 def free_port() -> int:
-    """A TCP port free on loopback right now (tests start servers on these)."""
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free on loopback right now and not handed out before by this process (tests and
+    the replicas command start servers on these)."""
+    for _ in range(1000):
+        port = _port_choice.randint(*FREE_PORT_RANGE)
+        if port in _handed_out:
+            continue
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {FREE_PORT_RANGE[0]}-{FREE_PORT_RANGE[1]}")
 
 
 @dataclass
