@@ -5,9 +5,10 @@ a session is the tenant's system prompt, then the session's earlier turns (each 
 an assistant answer of fixed token counts), then a new user message, so a session's history grows
 turn by turn and every turn starts with the previous turn's whole prompt. (The assistant answers in
 the history are corpus text, not what the server generated: what a later turn can reuse is the
-earlier turns' prompts, as with any client that resends its history.) Sessions are interleaved,
-and a session's turns are in order in the list, so with Poisson arrivals (client.bench's
-``--request-rate``) turn k is always sent after turn k-1.
+earlier turns' prompts, as with any client that resends its history.) The list is K rounds, round
+k holding every session's turn k in a fresh random order, so with Poisson arrivals (client.bench's
+``--request-rate``) turn k is always sent after turn k-1, and a session's turns are never a fixed
+number of requests apart (which would hand round-robin routing session affinity for free).
 
 :func:`prefix_reuse` is the reference a router is measured against: the fraction of prompt tokens
 in full KV blocks that one replica with an unbounded prefix cache would find cached, given the
@@ -63,6 +64,8 @@ def build_tenant_workload(builder: PromptBuilder, tenants: Tenants, output_lengt
     lengths = {index: tenants.system_len for index in order}
     items = []
     for turn in range(tenants.turns):
+        if turn:  # a new interleaving every round, so no session's turns fall at a fixed period
+            order = rng.permutation(order).tolist()
         for index in order:
             prompt = builder.prompt_after_prefix(histories[index], tenants.user_len, rng)
             lengths[index] += tenants.user_len

@@ -25,12 +25,19 @@ def test_each_turn_extends_the_previous_turn_of_its_session_and_counts_are_exact
     assert len(items) == tenants.num_requests == 18
     for item in items:
         assert len(ids(builder, item.prompt)) == item.num_input_tokens and item.max_tokens == 8
-    first_turns, last_turns = items[:6], items[12:]
+    first_turns, middle_turns, last_turns = items[:6], items[6:12], items[12:]
     assert sorted(item.prefix_index for item in first_turns) == [0, 0, 1, 1, 2, 2]
-    for first, last in zip(first_turns, last_turns, strict=True):  # the same session order every turn
-        assert last.prefix_index == first.prefix_index
-        assert ids(builder, last.prompt)[: first.num_input_tokens] == ids(builder, first.prompt)
-        assert last.num_input_tokens == 120 + 3 * 20 + 2 * 24
+    positions = []
+    for first in first_turns:  # each session's later turns extend its earlier ones, one per round
+        turns = [first]
+        for later_round in (middle_turns, last_turns):
+            [turn] = [item for item in later_round if item.prompt.startswith(turns[-1].prompt)]
+            assert turn.prefix_index == first.prefix_index
+            assert ids(builder, turn.prompt)[: turns[-1].num_input_tokens] == ids(builder, turns[-1].prompt)
+            turns.append(turn)
+        assert turns[-1].num_input_tokens == 120 + 3 * 20 + 2 * 24
+        positions.append(tuple(items.index(turn) % 6 for turn in turns))
+    assert any(len(set(p)) > 1 for p in positions)  # the rounds are not in one fixed session order
     systems = {item.prefix_index: ids(builder, item.prompt)[:120] for item in first_turns}
     assert len({tuple(system) for system in systems.values()}) == 3  # a system prompt per tenant
     assert build_tenant_workload(builder, tenants, parse_length("8"), seed=5) == items
