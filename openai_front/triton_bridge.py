@@ -12,6 +12,7 @@ as a cancellation: the engine aborts the request and frees its KV blocks.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -23,6 +24,9 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from openai_front.errors import ApiError, from_triton
 
 BASE_OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
+# How long the model's config.pbtxt parameters are reused: every request reads one, and a config
+# changes only when Triton reloads the model.
+CONFIG_TTL_SECONDS = 5.0
 
 
 @dataclass(slots=True)
@@ -90,6 +94,8 @@ class TritonBridge:
         self.model = model
         self.tokenizer_model = tokenizer_model
         self.client = grpcclient_aio.InferenceServerClient(url)
+        self._parameters: dict = {}
+        self._parameters_read_at = float("-inf")
 
     async def close(self) -> None:
         await self.client.close()
@@ -111,11 +117,14 @@ class TritonBridge:
 
     async def _int_parameter(self, name: str) -> int | None:
         """A config.pbtxt parameter of the model as an integer (None when absent or unreadable)."""
-        try:
-            config = await self.client.get_model_config(self.model, as_json=True)
-        except InferenceServerException:
-            return None
-        value = config.get("config", {}).get("parameters", {}).get(name, {}).get("string_value")
+        if time.monotonic() - self._parameters_read_at > CONFIG_TTL_SECONDS:
+            try:
+                config = await self.client.get_model_config(self.model, as_json=True)
+            except InferenceServerException:
+                return None
+            self._parameters = config.get("config", {}).get("parameters", {})
+            self._parameters_read_at = time.monotonic()
+        value = self._parameters.get(name, {}).get("string_value")
         return int(value) if value and value.isdigit() else None
 
     async def generate(self, prompt: str | None, messages: list | None, sampling: dict, echo: bool = False,
