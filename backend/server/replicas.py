@@ -87,7 +87,12 @@ def block_size_of(repository: Path) -> int:
 
 
 def router_command(replicas: list[ReplicaPorts], policy: str, port: int, prometheus_port: int, block_size: int,
-                   host: str = "127.0.0.1", model: str = "llm", log_level: str = "info") -> list[str]:
+                   host: str = "127.0.0.1", model: str = "llm", log_level: str = "info",
+                   session_affinity_ttl: int | None = None) -> list[str]:
+    """vllm-router's command line. ``session_affinity_ttl`` (kv_aware only): a session (its
+    ``x-session-id`` header) stays on the replica its first request was costed to until it has been
+    idle this many seconds; its later turns skip the render calls."""
+    check_session_affinity(policy, session_affinity_ttl)
     binary = shutil.which("vllm-router", path=os.path.dirname(sys.executable)) or shutil.which("vllm-router")
     if binary is None:
         raise ReplicaError("vllm-router is not installed: `make setup` installs it (pyproject's router extra)")
@@ -103,7 +108,30 @@ def router_command(replicas: list[ReplicaPorts], policy: str, port: int, prometh
         for ports in replicas:
             command += ["--kv-event-source", f"{ports.url}={ports.events_endpoint}",
                         "--kv-event-replay-source", f"{ports.url}={ports.replay_endpoint}"]
+        if session_affinity_ttl is not None:
+            command += ["--kv-aware-session-affinity-ttl-secs", str(session_affinity_ttl)]
     return command
+
+
+def replica_cpus(num_replicas: int, cpus: list[int] | None = None) -> list[set[int]]:
+    """The CPUs each replica is pinned to: disjoint equal shares of the CPUs this process may use,
+    or one CPU each, shared round-robin, when replicas outnumber them. Each engine then runs one
+    torch thread per CPU of its share instead of every engine spinning a thread on every CPU."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if num_replicas >= len(cpus):
+        return [{cpus[index % len(cpus)]} for index in range(num_replicas)]
+    share = len(cpus) // num_replicas
+    return [set(cpus[index * share:(index + 1) * share]) for index in range(num_replicas)]
+
+
+def check_session_affinity(policy: str, session_affinity_ttl: int | None) -> None:
+    """vllm-router takes a session-affinity TTL of 1 s to a year, and only for kv_aware."""
+    if session_affinity_ttl is None:
+        return
+    if policy != "kv_aware":
+        raise ValueError(f"--session-affinity-ttl: only with the kv_aware policy, not {policy}")
+    if not 1 <= session_affinity_ttl <= 31_536_000:
+        raise ValueError(f"--session-affinity-ttl: 1 to 31536000 seconds, got {session_affinity_ttl}")
 
 
 def _healthy(url: str) -> bool:
@@ -119,9 +147,11 @@ class Replicas:
 
     def __init__(self, num_replicas: int = 2, policy: str = "kv_aware", port: int | None = None,
                  model_repository: Path = DEFAULT_MODEL_REPOSITORY, log_dir: Path | None = None,
-                 host: str = "127.0.0.1", overrides: dict[str, str] | None = None, router_log_level: str = "info") -> None:
+                 host: str = "127.0.0.1", overrides: dict[str, str] | None = None, router_log_level: str = "info",
+                 session_affinity_ttl: int | None = None, pin_cpus: bool = True) -> None:
         """``overrides``: `llm` parameters every replica changes; ``router_log_level`` debug logs each
-        routing decision (what the router believes each replica has cached)."""
+        routing decision (what the router believes each replica has cached); ``session_affinity_ttl``:
+        see :func:`router_command`; ``pin_cpus``: each replica runs on its own CPUs (:func:`replica_cpus`)."""
         if num_replicas < 1:
             raise ValueError(f"--replicas: at least 1, got {num_replicas}")
         if policy not in POLICIES:
@@ -130,12 +160,15 @@ class Replicas:
         self.host = host
         self.overrides = dict(overrides or {})
         self.router_log_level = router_log_level
+        self.session_affinity_ttl = session_affinity_ttl
+        check_session_affinity(policy, session_affinity_ttl)
         self.port = port or free_port()
         self.source = Path(model_repository).resolve()
         self.work_dir = Path(tempfile.mkdtemp(prefix="replicas-"))
         self.log_dir = Path(log_dir) if log_dir else self.work_dir
         self.ports = [ReplicaPorts.free() for _ in range(num_replicas)]
         self.processes: list[subprocess.Popen | None] = [None] * num_replicas
+        self.cpus: list[set[int] | None] = replica_cpus(num_replicas) if pin_cpus else [None] * num_replicas
         self.router: subprocess.Popen | None = None
 
     @property
@@ -148,14 +181,19 @@ class Replicas:
     def start_replica(self, index: int) -> None:
         """Starts (or starts again) replica ``index`` on its ports."""
         ports = self.ports[index]
+        running = self.processes[index]
+        if running is not None and running.poll() is None:
+            raise ReplicaError(f"replica {index} is already running (pid {running.pid}); stop it first")
         repository = write_replica_repository(self.source, self.work_dir / f"replica-{index}", ports, self.overrides)
         command = [sys.executable, "-m", "backend.server.launcher", "--model-repository", str(repository),
                    "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),
                    "--openai-port", str(ports.openai), "--",
                    "--model-control-mode=explicit", *(f"--load-model={m}" for m in REPLICA_MODELS)]
+        cpus = self.cpus[index]
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         with open(self.log_path(index), "ab") as log:
             self.processes[index] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=pin)
 
     def wait_replica(self, index: int, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -200,8 +238,11 @@ class Replicas:
         return self
 
     def start_router(self) -> None:
+        if self.router is not None and self.router.poll() is None:
+            raise ReplicaError(f"vllm-router is already running (pid {self.router.pid})")
         command = router_command(self.ports, self.policy, self.port, free_port(), block_size_of(self.source),
-                                 host=self.host, log_level=self.router_log_level)
+                                 host=self.host, log_level=self.router_log_level,
+                                 session_affinity_ttl=self.session_affinity_ttl)
         with open(self.log_path(None), "ab") as log:
             self.router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True)
@@ -237,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-repository", type=Path, default=Path(os.environ.get("MODEL_REPOSITORY",
                                                                                       DEFAULT_MODEL_REPOSITORY)))
     parser.add_argument("--log-dir", type=Path, default=None, help="replica and router logs (default: a temporary folder)")
+    parser.add_argument("--no-pin-cpus", action="store_true",
+                        help="let every replica run on every CPU (default: each on its own share of them)")
+    parser.add_argument("--session-affinity-ttl", type=int, default=None, metavar="SECONDS",
+                        help="kv_aware: keep a session (x-session-id header) on one replica until idle this long")
     args = parser.parse_args(argv)
     host = "127.0.0.1" if os.environ.get("TRITON_BIND_ALL") is None else "0.0.0.0"
     stopping = False
@@ -247,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    replicas = Replicas(args.replicas, args.policy, args.port, args.model_repository, args.log_dir, host)
+    replicas = Replicas(args.replicas, args.policy, args.port, args.model_repository, args.log_dir, host,
+                        session_affinity_ttl=args.session_affinity_ttl, pin_cpus=not args.no_pin_cpus)
     try:
         print(f"starting {args.replicas} replicas (logs in {replicas.log_dir})...", flush=True)
         replicas.start()
