@@ -1,15 +1,17 @@
 """Routing policies over N replicas on a multi-tenant workload: vllm-router's policies and our nginx hash.
 
     .venv/bin/python -m perf.router_bench [--model demo|smollm2] [--replicas 3] [--rounds 1]
-        [--policies kv_aware,cache_aware,consistent_hash,round_robin,nginx] [--tenants 6 ...]
+        [--policies kv_aware,cache_aware,consistent_hash,round_robin,nginx,kv_aware+affinity] [--tenants 6 ...]
 
 For each round, each policy in turn (alternating across rounds) gets fresh replicas (empty prefix
-caches; backend/server/replicas.py) whose KV pools are sized so that one replica cannot hold every
-tenant's system prompt, and the same requests (client.bench's tenant workload: T tenants with
+caches; backend/server/replicas.py) whose KV pools are sized so that the fleet holds every tenant's
+prompts when each replica keeps its share, and one replica cannot (``--num-kv-blocks`` sets them:
+more tenants than the fleet can cache), and the same requests (client.bench's tenant workload: T tenants with
 their own long system prompts, growing multi-turn sessions, Poisson arrivals). vllm-router's
 policies get the requests over OpenAI HTTP with an ``x-session-id`` header naming the session
 (what ``consistent_hash`` keys on); ``nginx`` is our compose routing (deploy/nginx.conf: consistent
-hash of the same header) over Triton gRPC. Reported per policy: TTFT and ITL p50/p99, output
+hash of the same header) over Triton gRPC; ``kv_aware+affinity`` is kv_aware with the router's
+session affinity (a session's later turns stay where its first was costed). Reported per policy: TTFT and ITL p50/p99, output
 tokens/s, requests per replica, and the fleet's prefix-cache hit rate (hits / lookups summed over
 the replicas' /metrics) against the ideal of one replica with an unbounded cache.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 from backend.config import engine_config_from_model_folder
 from backend.paths import REPO_ROOT
@@ -27,7 +30,7 @@ from client.bench.arrivals import ArrivalPattern
 from client.bench.lengths import parse_length
 from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.prompts import PromptBuilder
-from client.bench.report import write_json
+from client.bench.report import MISSING_MATPLOTLIB, save_figure, write_json
 from client.bench.runner import API_OPENAI, API_TRITON, run_workload
 from client.bench.stats import compute_metrics
 from client.bench.tenants import Tenants, build_tenant_workload, prefix_reuse
@@ -37,7 +40,10 @@ from deploy.replica_metrics import PREFIX_HITS, PREFIX_QUERIES, SUCCESS, read_co
 from perf.served import RESULTS_DIR
 
 REPOSITORIES = {"demo": REPO_ROOT / "models" / "demo-repository", "smollm2": REPO_ROOT / "model_repository"}
-POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "nginx")
+POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "nginx")  # and kv_aware+affinity
+AFFINITY_SUFFIX = "+affinity"
+SESSION_AFFINITY_TTL_SECONDS = 300
+HEADROOM = 1.25  # a replica's pool against its share of the fleet's working set
 
 
 def session_key(items: list[WorkItem]) -> dict[int, str]:
@@ -56,8 +62,10 @@ def session_key(items: list[WorkItem]) -> dict[int, str]:
 
 def measure(policy: str, args, items: list[WorkItem], overrides: dict[str, str]) -> dict:
     keys = session_key(items)
-    router_policy = "round_robin" if policy == "nginx" else policy
-    replicas = Replicas(args.replicas, router_policy, model_repository=REPOSITORIES[args.model], overrides=overrides)
+    router_policy = "round_robin" if policy == "nginx" else policy.removesuffix(AFFINITY_SUFFIX)
+    affinity = SESSION_AFFINITY_TTL_SECONDS if policy.endswith(AFFINITY_SUFFIX) else None
+    replicas = Replicas(args.replicas, router_policy, model_repository=REPOSITORIES[args.model], overrides=overrides,
+                        session_affinity_ttl=affinity)
     proxy = None
     try:
         if policy == "nginx":
@@ -101,6 +109,44 @@ def median_row(policy: str, runs: list[dict], ideal: float) -> str:
             f"{sum(r['metrics']['num_errors'] for r in runs)} |")
 
 
+def kv_blocks_per_replica(tenants: Tenants, num_replicas: int, block_size: int) -> int:
+    """A replica's share of the fleet's working set (every tenant's system prompt and every
+    session's own turns), with headroom; never less than two of the longest requests."""
+    blocks = lambda tokens: -(-tokens // block_size)  # noqa: E731
+    session_own = tenants.turns * tenants.user_len + (tenants.turns - 1) * tenants.answer_len
+    per_tenant = blocks(tenants.system_len) + tenants.sessions_per_tenant * blocks(session_own)
+    share = int(HEADROOM * tenants.num_tenants * per_tenant / num_replicas + 0.5)
+    return max(share, 2 * blocks(tenants.system_len + session_own + 64))
+
+
+def write_plot(results: dict[str, list[dict]], ideal: float, title: str, path) -> str:
+    """TTFT p50/p99 and the fleet's hit rate per policy (medians over rounds)."""
+    try:
+        import matplotlib  # noqa: PLC0415  (optional: the perf extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return MISSING_MATPLOTLIB
+    policies = list(results)
+    med = lambda runs, f: statistics.median(f(r) for r in runs)  # noqa: E731
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    xs = range(len(policies))
+    for offset, q in ((-0.2, "p50"), (0.2, "p99")):
+        left.bar([x + offset for x in xs], [med(results[p], lambda r, q=q: r["metrics"]["ttft_ms"][q]) for p in policies],
+                 0.4, label=f"TTFT {q}")
+    left.set_ylabel("ms (lower is better)")
+    left.legend()
+    right.bar(xs, [100 * med(results[p], lambda r: r["hit_rate"]) for p in policies], 0.6)
+    right.axhline(100 * ideal, color="black", linestyle="--", linewidth=1, label="ideal (one unbounded cache)")
+    right.set_ylabel("fleet prefix hit rate, % (higher is better)")
+    right.legend(loc="lower right")
+    for axis in (left, right):
+        axis.set_xticks(list(xs), policies, rotation=20)
+    figure.suptitle(title, fontsize=10)
+    return save_figure(figure, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.router_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=tuple(REPOSITORIES), default="demo")
@@ -116,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", default="16")
     parser.add_argument("--request-rate", type=float, default=2.0, help="Poisson arrivals per second")
     parser.add_argument("--num-kv-blocks", type=int, default=0,
-                        help="KV blocks per replica (default: room for about a third of the tenants' prompts)")
+                        help="KV blocks per replica (default: its share of the fleet's working set, with headroom)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--out", default=str(RESULTS_DIR / "router_bench.json"))
@@ -128,10 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     items = build_tenant_workload(builder, tenants, parse_length(args.output_len), args.seed,
                                   config.model.max_model_len)
     ideal = prefix_reuse(builder, items, config.cache.block_size)
-    session_tokens = args.system_len + args.turns * (args.user_len + args.answer_len)
-    # A third of the tenants' sessions per replica, but room for 4 of the longest requests at once.
-    longest = -(-(session_tokens + 64) // config.cache.block_size)
-    num_kv_blocks = args.num_kv_blocks or max(4 * longest, args.tenants * session_tokens // (3 * config.cache.block_size))
+    num_kv_blocks = args.num_kv_blocks or kv_blocks_per_replica(tenants, args.replicas, config.cache.block_size)
     overrides = {"num_kv_blocks": str(num_kv_blocks), "max_num_seqs": "16"}
     print(f"{len(items)} requests from {args.tenants} tenants; ideal hit rate {100 * ideal['ideal_hit_rate']:.1f}%; "
           f"{num_kv_blocks} KV blocks per replica", flush=True)
@@ -160,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                 "tenants": tenants.to_dict(), "ideal": ideal, "results": results, "table": table}
     write_json(document, args.out)
     print(f"written to {args.out}")
+    title = (f"{args.replicas} replicas of {args.model} ({config.model.dtype}, {num_kv_blocks} KV blocks each), "
+             f"{args.tenants} tenants, {len(items)} requests at {args.request_rate}/s; commit {(document['git']['commit'] or '?')[:7]}")
+    print(write_plot(results, ideal["ideal_hit_rate"], title, Path(args.out).with_suffix(".png")))
     return 0
 
 

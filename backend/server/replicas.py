@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,8 +260,9 @@ class Replicas:
     def stop(self) -> None:
         if self.router is not None:
             stop_process_group(self.router, 10.0)
-        for index in range(len(self.ports)):
-            self.stop_replica(index)
+        # All at once: each launcher may wait out tritonserver's exit timeout.
+        with ThreadPoolExecutor(max_workers=len(self.ports)) as pool:
+            list(pool.map(self.stop_replica, range(len(self.ports))))
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def __enter__(self) -> Replicas:
