@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from backend.config import engine_config_from_model_folder
+from backend.models.loader import resolve_dtype
 from backend.paths import REPO_ROOT
 from backend.server.replicas import Replicas
 from client.bench.arrivals import ArrivalPattern
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS_DIR / "router_bench.json"))
     args = parser.parse_args(argv)
     config = engine_config_from_model_folder(str(REPOSITORIES[args.model] / "llm"))
+    dtype = str(resolve_dtype(config.model.dtype, None, "cpu")).removeprefix("torch.")  # what `auto` is here
     builder = PromptBuilder(config.model.tokenizer_dir)
     tenants = Tenants(args.tenants, args.system_len, args.sessions_per_tenant, args.turns, args.user_len,
                       args.answer_len)
@@ -199,11 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     document = {"tool": "perf.router_bench", "created": now_iso(), "git": git_state(), "machine": machine_info(),
-                "model": args.model, "dtype": config.model.dtype, "settings": vars(args), "overrides": overrides,
+                "model": args.model, "dtype": dtype, "settings": vars(args), "overrides": overrides,
                 "tenants": tenants.to_dict(), "ideal": ideal, "results": results, "table": table}
     write_json(document, args.out)
     print(f"written to {args.out}")
-    title = (f"{args.replicas} replicas of {args.model} ({config.model.dtype}, {num_kv_blocks} KV blocks each), "
+    title = (f"{args.replicas} replicas of {args.model} ({dtype}, {num_kv_blocks} KV blocks each), "
              f"{args.tenants} tenants, {len(items)} requests at {args.request_rate}/s; commit {(document['git']['commit'] or '?')[:7]}")
     print(write_plot(results, ideal["ideal_hit_rate"], title, Path(args.out).with_suffix(".png")))
     return 0
