@@ -133,6 +133,21 @@ def test_models_health_and_tokenize(front, sdk):
     assert "hello world" in text
 
 
+def test_the_render_routes_give_the_ids_the_engine_computes(front, sdk):
+    """What vllm-router routes on (the render answers) is what `llm` prefills: the same count as
+    its usage, and for a completion the tokenizer's own ids."""
+    chat = httpx.post(f"{front}/v1/chat/completions/render", json={"model": "llm", "messages": MESSAGES},
+                      timeout=60).json()
+    answer = sdk.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1, temperature=0)
+    assert len(chat["token_ids"]) == answer.usage.prompt_tokens > 10
+    prompt = "The capital of France is"
+    [completion] = httpx.post(f"{front}/v1/completions/render", json={"model": "llm", "prompt": prompt},
+                              timeout=60).json()
+    tokens = httpx.post(f"{front}/tokenize", json={"model": "llm", "prompt": prompt}).json()["tokens"]
+    generated = sdk.completions.create(model="llm", prompt=prompt, max_tokens=1, temperature=0)
+    assert completion["token_ids"] == tokens and len(tokens) == generated.usage.prompt_tokens
+
+
 def test_chat_greedy_equals_grpc_and_usage_equals_tritons_counts(sdk, served):
     answer = sdk.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=12, temperature=0,
                                          extra_body={"ignore_eos": True})
