@@ -117,6 +117,31 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (backend/kv_transfer): a prefill engine serves a finished prompt's
+    KV blocks, a decode engine pulls them from the peers listed here."""
+
+    kv_role: str = "both"  # both: no transfers (colocated); prefill: serves blocks; decode: pulls them
+    kv_transfer_endpoint: str = ""  # prefill: tcp://HOST:PORT it serves blocks on; empty: loopback, any free port
+    kv_transfer_peers: str = ""  # decode: comma-separated HOST:PORT of the prefill engines it may pull from
+    kv_transfer_timeout_seconds: int = 60  # prefill: how long a finished request's blocks wait to be pulled
+    kv_transfer_pull_timeout_seconds: int = 10  # decode: a pull not done by then is recomputed locally
+
+    @property
+    def peers(self) -> frozenset[tuple[str, int]]:
+        """``kv_transfer_peers`` as (host, port) pairs (checked by validate_engine_config)."""
+        return frozenset(_host_port(item) for item in self.kv_transfer_peers.split(",") if item.strip())
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    match = _HOST_PORT.fullmatch(text.strip())
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise ConfigError(f"parameter 'kv_transfer_peers': expected HOST:PORT entries separated by commas, "
+                          f"got {text.strip()!r}")
+    return match.group(1).strip("[]"), int(match.group(2))
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -124,6 +149,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
 
 _CHOICES = {
@@ -135,6 +161,7 @@ _CHOICES = {
     "kv_offload_load_policy": ("auto", "always"),
     "speculative_method": ("none", "ngram", "draft"),
     "speculative_controller": ("auto", "off"),
+    "kv_role": ("both", "prefill", "decode"),
 }
 
 # name -> (section, kind, minimum)
@@ -182,10 +209,16 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "kv_events_topic": ("kv_events", "text", None),
     "kv_events_replay_endpoint": ("kv_events", "endpoint", None),
     "kv_events_buffer_steps": ("kv_events", "int", 1),
+    "kv_role": ("kv_transfer", "choice", None),
+    "kv_transfer_endpoint": ("kv_transfer", "endpoint", None),
+    "kv_transfer_peers": ("kv_transfer", "text", None),
+    "kv_transfer_timeout_seconds": ("kv_transfer", "int", 1),
+    "kv_transfer_pull_timeout_seconds": ("kv_transfer", "int", 1),
 }
 
 # tcp://HOST:PORT with a name, an IPv4 address, [an IPv6 address] or * (every interface).
 _ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})")
+_HOST_PORT = re.compile(r"([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})")
 MAX_TEXT_PARAMETER_CHARS = 256
 
 
@@ -218,7 +251,7 @@ def parse_parameter_value(name: str, kind: str, minimum: int | None, raw: str, b
                               f"(or empty), got {raw!r}")
         return text
     if kind == "text":
-        if len(text) > MAX_TEXT_PARAMETER_CHARS:
+        if len(text) > MAX_TEXT_PARAMETER_CHARS * (16 if name == "kv_transfer_peers" else 1):
             raise ConfigError(f"parameter '{name}': at most {MAX_TEXT_PARAMETER_CHARS} characters")
         return text
     if kind == "path":
@@ -241,7 +274,7 @@ def parse_engine_config(
     accepted and ignored (they belong to the caller). Raises ConfigError naming the parameter.
     """
     sections: dict[str, dict] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}, "structured_output": {},
-                                 "kv_events": {}}
+                                 "kv_events": {}, "kv_transfer": {}}
     for name, raw in parameters.items():
         if name in extra_names:
             continue
@@ -261,6 +294,7 @@ def parse_engine_config(
         speculative=SpeculativeConfig(**sections["speculative"]),
         structured_output=StructuredOutputConfig(**sections["structured_output"]),
         kv_events=KVEventsConfig(**sections["kv_events"]),
+        kv_transfer=KVTransferConfig(**sections["kv_transfer"]),
     )
     validate_engine_config(config)
     return config
@@ -283,6 +317,7 @@ def validate_engine_config(config: EngineConfig) -> None:
         )
     _validate_speculative(config.speculative)
     _validate_kv_events(config.kv_events, cache)
+    _validate_kv_transfer(config.kv_transfer, cache)
     if sched.default_max_tokens >= model.max_model_len:
         raise ConfigError(
             f"parameter 'default_max_tokens': must be < max_model_len ({model.max_model_len})"
@@ -301,6 +336,21 @@ def _validate_kv_events(events: KVEventsConfig, cache: CacheConfig) -> None:
     if events.enabled and not cache.enable_prefix_caching:
         raise ConfigError("parameter 'kv_events_endpoint': needs enable_prefix_caching true (the events "
                           "describe the prefix cache)")
+
+
+def _validate_kv_transfer(transfer: KVTransferConfig, cache: CacheConfig) -> None:
+    peers = transfer.peers  # raises naming kv_transfer_peers when an entry is not HOST:PORT
+    if transfer.kv_role == "decode" and not peers:
+        raise ConfigError("parameter 'kv_transfer_peers': kv_role decode needs the prefill engines it may pull "
+                          "from (HOST:PORT, comma-separated)")
+    if transfer.kv_role != "decode" and peers:
+        raise ConfigError(f"parameter 'kv_transfer_peers': only a decode engine pulls (kv_role is {transfer.kv_role})")
+    if transfer.kv_role != "prefill" and transfer.kv_transfer_endpoint:
+        raise ConfigError(f"parameter 'kv_transfer_endpoint': only a prefill engine serves blocks "
+                          f"(kv_role is {transfer.kv_role})")
+    if transfer.kv_role != "both" and not cache.enable_prefix_caching:
+        raise ConfigError(f"parameter 'kv_role': {transfer.kv_role} needs enable_prefix_caching true (blocks "
+                          "are matched by their chained hashes)")
 
 
 def _validate_speculative(spec: SpeculativeConfig) -> None:

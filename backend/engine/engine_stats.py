@@ -23,6 +23,7 @@ def collect_engine_stats(engine) -> EngineStats:
         **_offload_stats(engine.offloader),
         **_spec_decode_stats(engine.speculator),
         **_kv_event_stats(engine.kv_event_publisher),
+        **_kv_transfer_stats(engine.kv_transfer),
     )
 
 
@@ -51,6 +52,11 @@ def _kv_event_stats(publisher) -> dict:
         return {}
     return {"kv_events_published_batches": publisher.stats.published_batches,
             "kv_events_dropped_batches": publisher.stats.dropped_batches}
+
+
+def _kv_transfer_stats(transfer) -> dict:
+    """A prefill engine's transfer server or a decode engine's puller (backend/kv_transfer)."""
+    return {} if transfer is None else transfer.engine_stats_fields()
 
 
 def _spec_decode_stats(speculator) -> dict:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from backend.config import StructuredOutputConfig
+from backend.config import KVTransferConfig, StructuredOutputConfig
 from backend.engine.request import SamplingParams, SamplingParamsError
+from backend.kv_transfer.params import KVTransferParamsError, check_against
 from backend.structured_output.budget import check_budget
 from backend.structured_output.spec import StructuredOutputError, check_spec
 
@@ -24,13 +25,17 @@ class EngineInputError(ValueError):
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
-                 structured_output: StructuredOutputConfig | None = None):
+                 structured_output: StructuredOutputConfig | None = None,
+                 kv_transfer: KVTransferConfig | None = None):
         """``structured_output``: the budget a constraint must fit (backend/structured_output/budget.py);
-        None checks no budget here (the engine still does when the request is added)."""
+        None checks no budget here (the engine still does when the request is added). ``kv_transfer``:
+        this engine's role in disaggregated serving and the peers it may pull from."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.structured_output = structured_output
+        self.kv_transfer = kv_transfer or KVTransferConfig()
+        self._peers = self.kv_transfer.peers
         self._valid_constraints: OrderedDict[str, None] = OrderedDict()  # cache keys, LRU
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -64,6 +69,10 @@ class InputProcessor:
             raise EngineInputError(f"max_tokens: {params.max_tokens} is above the limit {self.max_model_len - 1}")
         if params.structured_outputs is not None:
             self._check_constraint(params)
+        try:  # a pull goes only to a configured peer: checked before anything is contacted
+            check_against(params.kv_transfer_params, self.kv_transfer.kv_role, self._peers)
+        except KVTransferParamsError as exc:
+            raise EngineInputError(str(exc)) from None
         bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop_ids:
             raise EngineInputError(

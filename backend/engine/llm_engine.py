@@ -42,6 +42,7 @@ from backend.kv_cache.event_publisher import publisher_from_config
 from backend.kv_cache.manager import KVCacheManager
 from backend.kv_cache.offload.block_io import PagedBlockIO
 from backend.kv_cache.offload.from_config import build_offloader
+from backend.kv_transfer.from_config import attach_kv_transfer
 from backend.spec_decode.speculator import Speculator
 from backend.structured_output.spec import StructuredOutputError
 
@@ -72,13 +73,18 @@ class LLMEngine:
         self.vocab_size = self.model_runner.shape.vocab_size
         self.eos_token_id = self._eos_token_id()
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
-                                              config.structured_output)
+                                              config.structured_output, config.kv_transfer)
         self.num_kv_blocks = self.model_runner.num_kv_blocks
         block_size = self.model_runner.block_size
         self.offloader = build_offloader(config.cache, self.model_runner.kv_caches, block_size, config.model.model_dir)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching,
                                                self.offloader)
-        self.kv_cache_manager.copy_blocks = PagedBlockIO(self.model_runner.kv_caches).copy  # copy-on-write
+        block_io = PagedBlockIO(self.model_runner.kv_caches)
+        self.kv_cache_manager.block_io = block_io  # writes blocks loaded from the tier or a prefill engine
+        self.kv_cache_manager.copy_blocks = block_io.copy  # copy-on-write
+        # Disaggregated serving (kv_role): a prefill engine's transfer server or a decode engine's puller.
+        self.kv_transfer = attach_kv_transfer(config.kv_transfer, self.kv_cache_manager, self.model_runner.kv_caches,
+                                              block_size)
         # vLLM-format KV-cache events for a cache-aware router; None unless kv_events_endpoint is set.
         self.kv_event_publisher = publisher_from_config(config.kv_events, self.kv_cache_manager, self.offloader)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager,
@@ -201,6 +207,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def release_transferred(self) -> None:
+        """A prefill engine gives back the blocks it kept for pulls that are done or timed out
+        (every step does this; a serving loop also calls it when idle)."""
+        if self.kv_transfer is not None:
+            self.kv_cache_manager.release_transferred()
+
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
@@ -214,6 +226,8 @@ class LLMEngine:
         (idempotent)."""
         if self.structured_output is not None:
             self.structured_output.close()
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.flush()
             self.kv_event_publisher.close()
@@ -260,6 +274,7 @@ class LLMEngine:
     @torch.inference_mode()
     def _step(self, timings: bool) -> StepOutput:
         clock = PhaseClock() if timings else None
+        self.release_transferred()
         outputs: list[RequestOutput] = self._take_grammar_failures()
         if self.speculator is not None:
             self._propose()
@@ -290,7 +305,7 @@ class LLMEngine:
         if self.structured_output is not None and self.structured_output.has_pending:
             self.structured_output.wait()  # only grammars left to wait for
         elif self.kv_cache_manager.has_pending_restores:
-            time.sleep(0.002)  # only tier loads left to wait for
+            time.sleep(0.002)  # only loads from the tier or a prefill engine left to wait for
 
     def _observe_forward(self, num_scheduled_tokens: int, stats: StepStats, seconds: float) -> None:
         """The forward's time for the speculation controller's step-time model and the offload

@@ -394,6 +394,7 @@ class OutputProcessor:
         output.finished = output.sequence_finished = True
         output.finish_reason = request.finish_reason
         output.error = request.error
+        output.kv_transfer_params = request.kv_transfer_result
         group = request.group
         if group is not None:  # the request ends with its last sample
             group.num_finished += 1

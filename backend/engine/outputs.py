@@ -33,6 +33,7 @@ class RequestOutput:
     sequence_finished: bool = False  # this sample's last output (``finished``: the whole request's)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    kv_transfer_params: dict | None = None  # a prefill engine's final output: where to pull its KV (vLLM's keys)
 
 
 @dataclass(slots=True)
@@ -80,6 +81,20 @@ class EngineStats:
     # KV-cache events (backend/kv_cache/event_publisher.py: PublisherStats), cumulative:
     kv_events_published_batches: int = 0
     kv_events_dropped_batches: int = 0  # the publisher's queue was full
+    # Disaggregated serving (backend/kv_transfer: ServerStats on a prefill engine, PullStats on a decode one):
+    kv_transfer_pinned_blocks: int = 0  # now: blocks kept for a decode engine's pull
+    kv_transfer_pinned_requests: int = 0
+    kv_transfer_served_pulls: int = 0
+    kv_transfer_sent_blocks: int = 0
+    kv_transfer_sent_bytes: int = 0
+    kv_transfer_refused_pulls: int = 0
+    kv_transfer_expired_pins: int = 0
+    kv_transfer_reclaimed_pins: int = 0
+    kv_transfer_pulls: int = 0
+    kv_transfer_received_blocks: int = 0
+    kv_transfer_received_bytes: int = 0
+    kv_transfer_fallbacks: int = 0
+    kv_transfer_pull_seconds: list[float] = field(default_factory=list)  # pulls finished since the last stats()
     # Speculative decoding (backend/spec_decode/speculator.py: SpecDecodeStats), cumulative:
     spec_decode_num_draft_tokens: int = 0  # proposals verified
     spec_decode_num_accepted_tokens: int = 0

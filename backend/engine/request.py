@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from backend.kv_transfer.params import KVTransferParams
 from backend.structured_output.spec import StructuredOutputSpec
 
 if TYPE_CHECKING:  # annotations only: this module stays importable without torch
@@ -93,6 +94,7 @@ class SamplingParams:
     early_stopping: bool | str = False  # beam search: True, False or "never", as transformers
     num_speculative_tokens: int | None = None  # speculative decoding: at most this many per step; 0: off; None: config's
     user: str = ""  # the client that sent it (OpenAI's user): the key of per-client limits; "": the shared key
+    kv_transfer_params: KVTransferParams | None = None  # disaggregated serving (backend/kv_transfer/params.py)
 
     def validate(self) -> None:
         """Raises SamplingParamsError naming the first bad field.
@@ -139,6 +141,9 @@ class SamplingParams:
         elif self.n > 1 and self.structured_outputs is not None:
             raise SamplingParamsError("n/num_return_sequences: more than one sample of a structured_outputs "
                                       "request is not supported")
+        if self.kv_transfer_params is not None and (self.n > 1 or self.beam_width > 1):
+            raise SamplingParamsError("kv_transfer_params: a disaggregated request has one sequence (n and "
+                                      "beam_width 1)")
         if self.num_speculative_tokens is not None and (
                 not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 16):
             raise SamplingParamsError(
@@ -229,6 +234,10 @@ class Request:
     # known ones in the same forward; with a draft model's sampled proposals, their distributions.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab]; None: point masses
+    # Disaggregated serving (backend/kv_transfer): a prefill engine's transfer parameters for the
+    # final answer; on a decode engine, whether the prompt's pull was already done (once per request).
+    kv_transfer_result: dict | None = None
+    kv_pull_done: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

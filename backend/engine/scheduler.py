@@ -203,9 +203,9 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv_cache_manager.free(request)
         request.status = status
         request.finish_reason = finish_reason
+        self.kv_cache_manager.free(request)  # finished: a prefill engine may keep its prompt's blocks
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the blocks, start over from the front of the waiting queue."""
@@ -315,7 +315,7 @@ class Scheduler:
                 token_budget -= num_new_tokens + len(spec)
                 req_index += 1
                 continue
-            while kv.allocate_slots(request, num_new_tokens) is None:
+            while not self._allocate(request, num_new_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
                 output.preempted.append(victim)
@@ -359,7 +359,7 @@ class Scheduler:
                 stepped_over.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            restored = kv.find_offloaded(request, computed_blocks)
+            restored = kv.find_external(request, computed_blocks)
             if restored is None:
                 stepped_over.append(self.waiting.popleft())
                 continue
@@ -373,7 +373,7 @@ class Scheduler:
                 if not config.enable_chunked_prefill and num_new_tokens <= config.max_num_batched_tokens:
                     break
                 num_new_tokens = token_budget
-            if kv.allocate_slots(request, num_restored_tokens + num_new_tokens, computed_blocks) is None:
+            if not self._allocate(request, num_restored_tokens + num_new_tokens, computed_blocks):
                 freed = self._preempt_lower_priority(request, output)
                 if freed is None:
                     break
@@ -388,6 +388,15 @@ class Scheduler:
             self._preempt_an_idle_request(output)  # a waiting request could run but has no room
         self.waiting.extendleft(reversed(stepped_over))
         return token_budget
+
+    def _allocate(self, request: Request, num_new_tokens: int, computed_blocks=()) -> bool:
+        """``allocate_slots``; when the pool is short, blocks a prefill engine keeps for pulls are
+        given up first (before anyone is preempted or has to wait), and it is tried once more."""
+        kv = self.kv_cache_manager
+        if kv.allocate_slots(request, num_new_tokens, computed_blocks) is not None:
+            return True
+        needed = ceil_div(num_new_tokens, kv.block_size) + 1
+        return kv.reclaim_kept(needed) and kv.allocate_slots(request, num_new_tokens, computed_blocks) is not None
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
         """The head of the waiting queue moves to the running list with its prefix hit computed."""

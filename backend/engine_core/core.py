@@ -83,6 +83,8 @@ class EngineCore:
                 outputs.append(output)
         if step and self.engine.has_unfinished_requests():
             outputs.extend(self.engine.step_or_fail_all().outputs)
+        else:
+            self.engine.release_transferred()  # a prefill engine's pulled or timed-out blocks, while idle
         return outputs
 
     def fail_everything(self, message: str, adds: list[AddRequest] = ()) -> list[RequestOutput]:

@@ -30,7 +30,7 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, offloader=None) -> None:
         """``offloader`` (a KVOffloader, needs ``enable_caching``) adds the second tier: evicted
-        cached blocks spill to it and come back on a later miss (``find_offloaded``)."""
+        cached blocks spill to it and come back on a later miss (``find_external``)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -38,13 +38,19 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.offloader = offloader if enable_caching else None
-        # request id -> its tier load (in flight or done, and the index of its first block), or
-        # None once it was decided that there is nothing to load
-        self._restores: dict[str, tuple[Future, int] | None] = {}
+        # request id -> its load from the tier or a prefill engine (in flight or done, the index of
+        # its first block, and whether it is a pull), or None once there is nothing to load
+        self._restores: dict[str, tuple[Future, int, bool] | None] = {}
         if self.offloader is not None:
             self.block_pool.on_evict = self.offloader.note_evicted
-        # Copies whole blocks (source ids, destination ids) in every layer's cache: set by the
-        # engine for copy-on-write of forked sequences (PagedBlockIO.copy).
+        # Disaggregated serving (backend/kv_transfer), set by the engine: a decode engine's puller
+        # brings a prompt's blocks from a prefill engine; a prefill engine's transfer server keeps a
+        # finished prompt's blocks for that pull.
+        self.puller = None
+        self.transfer_server = None
+        # Reads and writes whole blocks of every layer's cache (PagedBlockIO), set by the engine:
+        # loaded blocks are written with it, and forked sequences copy-on-write with ``copy_blocks``.
+        self.block_io = None
         self.copy_blocks = None
         self.num_copy_on_write = 0  # blocks copied so far
         self.share_forks = True  # False: a fork copies every block (a measuring baseline only)
@@ -74,7 +80,7 @@ class KVCacheManager:
         return self.block_pool.prefix_hits
 
     # ----- hashing ------------------------------------------------------------------------------
-    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+    def block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """The request's block hashes, extended to at least ``num_full_blocks`` entries."""
         hashes = request.block_hashes
         token_ids, size = request.all_token_ids, self.block_size
@@ -97,7 +103,7 @@ class KVCacheManager:
             return [], 0  # every prompt position must be computed to score it (as vLLM does)
         size = self.block_size
         max_num_blocks = (request.num_tokens - 1) // size
-        hashes = self._block_hashes(request, max_num_blocks)
+        hashes = self.block_hashes(request, max_num_blocks)
         token_ids = request.all_token_ids
         blocks: list[KVCacheBlock] = []
         for i in range(max_num_blocks):
@@ -112,24 +118,24 @@ class KVCacheManager:
         self.block_pool.prefix_hits += num_hit_tokens
         return blocks, num_hit_tokens
 
-    # ----- the offload tier -----------------------------------------------------------------------
-    def find_offloaded(self, request: Request, computed_blocks: Sequence[KVCacheBlock]) -> list[StoredBlock] | None:
-        """The tier's blocks that continue ``request``'s pool hit ``computed_blocks``: [] when there
-        are none (or recomputing them is cheaper), None while they are being loaded (the request
-        waits in the queue; ask again next step), else the loaded blocks, verified against the
-        request's tokens, for ``allocate_slots`` to make room for and ``place_restored`` to write.
+    # ----- blocks from elsewhere: the offload tier, a prefill engine -------------------------------
+    def find_external(self, request: Request, computed_blocks: Sequence[KVCacheBlock]) -> list[StoredBlock] | None:
+        """The blocks that continue ``request``'s pool hit ``computed_blocks`` from outside the pool: a
+        prefill engine's (a ``do_remote_prefill`` request on a decode engine, pulled once) or the
+        offload tier's. [] when there are none (or recomputing them is cheaper), None while they are
+        being loaded (the request waits in the queue; ask again next step), else the loaded blocks,
+        verified against the request's tokens, for ``allocate_slots`` to make room for and
+        ``place_restored`` to write.
         """
-        offloader = self.offloader
-        if offloader is None or request.sampling_params.prompt_logprobs is not None:
-            return []
+        if request.sampling_params.prompt_logprobs is not None:
+            return []  # every prompt position is computed to score it
         request_id, size = request.request_id, self.block_size
         start = len(computed_blocks)
-        max_num_blocks = (request.num_tokens - 1) // size  # a full hit would leave nothing to compute
         if request_id in self._restores:
             entry = self._restores[request_id]
             if entry is None:
                 return []
-            pending, first = entry
+            pending, first, _ = entry
             if not pending.done():
                 return None
             loaded = pending.result() if pending.exception() is None else []
@@ -137,10 +143,17 @@ class KVCacheManager:
                 self._restores[request_id] = None
                 return []
             return loaded[start - first:]  # the pool hit may have grown over part of the run
+        max_num_blocks = (request.num_tokens - 1) // size  # a full hit would leave nothing to compute
+        params = request.sampling_params.kv_transfer_params
+        if self.puller is not None and params is not None and params.do_remote_prefill and not request.kv_pull_done:
+            return self._pull(request, params, start, max_num_blocks)
+        offloader = self.offloader
+        if offloader is None:
+            return []
         if start >= max_num_blocks:
             self._restores[request_id] = None
             return []
-        hashes = self._block_hashes(request, max_num_blocks)
+        hashes = self.block_hashes(request, max_num_blocks)
         wanted = hashes[start:max_num_blocks]
         found = offloader.available(wanted)
         stats = offloader.stats
@@ -150,36 +163,64 @@ class KVCacheManager:
             stats.recomputed_blocks += found
             self._restores[request_id] = None
             return []
-        token_ids = request.all_token_ids
-        expected = [(hashes[i], hashes[i - 1] if i else None, tuple(token_ids[i * size:(i + 1) * size]))
-                    for i in range(start, start + found)]
-        self._restores[request_id] = (offloader.load_async(expected), start)
-        # The lookup counts again when the request is admitted after its load: count it once.
-        self.block_pool.prefix_queries -= request.num_tokens
-        self.block_pool.prefix_hits -= start * size
+        self._restores[request_id] = (offloader.load_async(self._expected(request, start, start + found)), start, False)
+        self._uncount_lookup(request, start)
         return None
 
+    def _pull(self, request: Request, params, start: int, max_num_blocks: int) -> None:
+        """Starts the request's one pull from its prefill engine (of nothing but a release when the
+        pool already holds every block it could use)."""
+        request.kv_pull_done = True
+        expected = self._expected(request, start, max_num_blocks) if start < max_num_blocks else []
+        self._restores[request.request_id] = (self.puller.pull_async(params, start, expected), start, True)
+        self._uncount_lookup(request, start)
+        return None
+
+    def _expected(self, request: Request, first: int, end: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
+        """(hash, parent hash, tokens) of the request's blocks first..end-1: what a load must match."""
+        hashes, token_ids, size = self.block_hashes(request, end), request.all_token_ids, self.block_size
+        return [(hashes[i], hashes[i - 1] if i else None, tuple(token_ids[i * size:(i + 1) * size]))
+                for i in range(first, end)]
+
+    def _uncount_lookup(self, request: Request, num_hit_blocks: int) -> None:
+        """The lookup counts again when the request is admitted after its load: count it once."""
+        self.block_pool.prefix_queries -= request.num_tokens
+        self.block_pool.prefix_hits -= num_hit_blocks * self.block_size
+
     def restore_in_flight(self, request: Request) -> bool:
-        """True while the tier is still loading blocks for ``request``."""
+        """True while blocks are still being loaded for ``request``."""
         entry = self._restores.get(request.request_id)
         return entry is not None and not entry[0].done()
 
     def place_restored(self, request: Request, first_block: int, restored: Sequence[StoredBlock]) -> None:
         """Writes the loaded blocks into the request's blocks ``first_block..`` (allocated by
         ``allocate_slots`` just before, in the same schedule, so before any forward reads them)."""
-        self._restores.pop(request.request_id, None)
+        entry = self._restores.pop(request.request_id, None)
         if not restored:
             return
-        offloader = self.offloader
-        offloader.capture()  # blocks noted as evicted may be the ones about to be overwritten
+        if self.offloader is not None:
+            self.offloader.capture()  # blocks noted as evicted may be the ones about to be overwritten
         blocks = self.req_to_blocks[request.request_id][first_block:first_block + len(restored)]
-        offloader.block_io.write([b.block_id for b in blocks], torch.stack([b.kv for b in restored]))
-        offloader.stats.restored_blocks += len(restored)
-        offloader.stats.restored_bytes += sum(b.nbytes for b in restored)
+        self.block_io.write([b.block_id for b in blocks], torch.stack([b.kv for b in restored]))
+        if entry is not None and not entry[2]:  # the tier's (pulls are counted by the puller)
+            self.offloader.stats.restored_blocks += len(restored)
+            self.offloader.stats.restored_bytes += sum(b.nbytes for b in restored)
 
     @property
     def has_pending_restores(self) -> bool:
         return any(entry is not None and not entry[0].done() for entry in self._restores.values())
+
+    # ----- a prefill engine's kept blocks ----------------------------------------------------------
+    def release_transferred(self) -> int:
+        """Gives back the blocks a prefill engine kept for pulls that are done or timed out."""
+        return 0 if self.transfer_server is None else self.transfer_server.take_released(self.block_pool)
+
+    def reclaim_kept(self, num_blocks: int) -> bool:
+        """The pool is short of ``num_blocks`` for running requests: blocks kept for pulls are given
+        up first (oldest first). True when that freed any."""
+        if self.transfer_server is None:
+            return False
+        return self.transfer_server.reclaim(self.block_pool, num_blocks) > 0
 
     # ----- forks (parallel sampling) -------------------------------------------------------------
     def fork(self, parent: Request, child: Request) -> None:
@@ -268,7 +309,7 @@ class KVCacheManager:
         start = request.num_cached_blocks
         if num_full <= start:
             return
-        hashes = self._block_hashes(request, num_full)
+        hashes = self.block_hashes(request, num_full)
         token_ids, size = request.all_token_ids, self.block_size
         for i in range(start, num_full):
             block = req_blocks[i]
@@ -288,6 +329,9 @@ class KVCacheManager:
         """Frees the request's blocks, tail first (so its prefix stays cached longest)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._restores.pop(request.request_id, None)
+        if self.transfer_server is not None and request.status.is_finished:  # may keep its prompt for a pull
+            num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
+            self.transfer_server.keep_finished(request, blocks, self.block_hashes(request, num_full), self.block_pool)
         request.num_cached_blocks = 0  # its hashes stay: they depend on its tokens alone
         self.block_pool.free_blocks(reversed(blocks))
 

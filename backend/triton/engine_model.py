@@ -51,7 +51,8 @@ def start_engine(engine: EngineClient, model_name: str, config: EngineConfig) ->
             ready = engine.start()
         except CoreStartError as exc:
             raise ConfigError(f"model '{model_name}': {exc}") from None
-        return InputProcessor(tokenizer.result(), ready.vocab_size, ready.max_model_len, config.structured_output)
+        return InputProcessor(tokenizer.result(), ready.vocab_size, ready.max_model_len, config.structured_output,
+                              config.kv_transfer)
 
 
 class EngineModel(abc.ABC):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend.engine.request import SamplingParams
+from backend.kv_transfer.params import KVTransferParamsError, parse_kv_transfer_params
 from backend.structured_output.spec import (
     LEGACY_KEYS,
     StructuredOutputError,
@@ -328,9 +329,14 @@ def _parse_sampling_json(text: str, options: dict[str, object]) -> dict[str, obj
                 raise InputError(f"{where}: LoRA adapters are not supported by this model")
         elif key == "structured_outputs" or key in LEGACY_KEYS:
             _set_constraint(values, key, value, where)
+        elif key == "kv_transfer_params":  # disaggregated serving (backend/kv_transfer/params.py)
+            try:
+                values[key] = parse_kv_transfer_params(value, where)
+            except KVTransferParamsError as exc:
+                raise InputError(str(exc)) from None
         elif key not in SAMPLING_PARAMETER_KEYS:
             known = ", ".join(sorted([*SAMPLING_PARAMETER_KEYS, *REQUEST_OPTION_KEYS, *FIXED_KEYS, "lora_name",
-                                      "stream_interval", "structured_outputs", *LEGACY_KEYS]))
+                                      "stream_interval", "structured_outputs", "kv_transfer_params", *LEGACY_KEYS]))
             raise InputError(f"sampling_parameters: unknown key '{key}' (known: {known})")
         elif key == "stop":
             if value is None:

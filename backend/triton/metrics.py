@@ -81,6 +81,21 @@ CUMULATIVE_COUNTERS = (
      "KV-cache event batches published for routers (kv_events_endpoint)"),
     ("kv_events_dropped_batches", "llm_kv_events_dropped_total",
      "KV-cache event batches dropped because the publisher's queue was full"),
+    ("kv_transfer_pinned_requests", "llm_kv_transfer_pinned_requests_total",
+     "Prefill engine: finished prompts whose KV blocks were kept for a decode engine's pull"),
+    ("kv_transfer_served_pulls", "llm_kv_transfer_served_total", "Prefill engine: pulls answered with blocks"),
+    ("kv_transfer_sent_bytes", "llm_kv_transfer_sent_bytes_total", "Prefill engine: KV bytes sent to decode engines"),
+    ("kv_transfer_refused_pulls", "llm_kv_transfer_refused_total",
+     "Prefill engine: pulls refused (unknown, used or expired token; bad range; malformed message)"),
+    ("kv_transfer_expired_pins", "llm_kv_transfer_expired_total",
+     "Prefill engine: kept prompts never pulled within kv_transfer_timeout_seconds"),
+    ("kv_transfer_reclaimed_pins", "llm_kv_transfer_reclaimed_total",
+     "Prefill engine: kept prompts given up early because running requests needed the blocks"),
+    ("kv_transfer_pulls", "llm_kv_transfer_pulls_total", "Decode engine: prompts whose KV blocks were pulled whole"),
+    ("kv_transfer_received_bytes", "llm_kv_transfer_received_bytes_total",
+     "Decode engine: KV bytes pulled from prefill engines"),
+    ("kv_transfer_fallbacks", "llm_kv_transfer_fallbacks_total",
+     "Decode engine: pulls that failed or came short, so the prompt (or its rest) was recomputed here"),
 )
 OFFLOAD_LOAD_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
@@ -163,6 +178,11 @@ class TritonMetrics:
         }
         _, self.offload_load = make("llm_kv_offload_load_seconds",
                                     "Loading one request's blocks from the KV offload tier", H, OFFLOAD_LOAD_BUCKETS)
+        _, self.transfer_pull = make("llm_kv_transfer_pull_seconds",
+                                     "Decode engine: pulling one prompt's KV blocks from a prefill engine", H,
+                                     OFFLOAD_LOAD_BUCKETS)
+        _, self.transfer_pinned = make("llm_kv_transfer_pinned_blocks",
+                                       "Prefill engine: KV blocks kept for decode engines' pulls", G)
         _, self.spec_draft = make("llm_spec_decode_num_draft_tokens_total", "Speculative tokens proposed and verified", C)
         _, self.spec_accepted = make("llm_spec_decode_num_accepted_tokens_total",
                                      "Speculative tokens the target model accepted", C)
@@ -226,6 +246,10 @@ class TritonMetrics:
                 metric.increment(now - before)
         for seconds in stats.kv_offload_load_seconds:
             self.offload_load.observe(seconds)
+        for seconds in stats.kv_transfer_pull_seconds:
+            self.transfer_pull.observe(seconds)
+        if last is None or stats.kv_transfer_pinned_blocks != last.kv_transfer_pinned_blocks:
+            self.transfer_pinned.set(stats.kv_transfer_pinned_blocks)
         self._update_spec_decode(stats, last)
         if self.load is not None:
             self.load.update(stats)

@@ -16,6 +16,7 @@ only in when they flush: the `llm` responder once per wake-up for every request 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,4 +103,9 @@ class ResponseState:
         prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
         if prompt_logprobs is not None:  # once, on the response with the first token
             extra.append(pb.Tensor("prompt_logprobs", np.array([prompt_logprobs], dtype=np.float32).reshape(1, -1)))
+        if final is not None and final.kv_transfer_params is not None and (
+                self.requested_outputs is None or "kv_transfer_params" in self.requested_outputs):
+            # a prefill engine's answer: where a decode engine pulls this prompt's KV (vLLM's keys)
+            text = json.dumps(final.kv_transfer_params)
+            extra.append(pb.Tensor("kv_transfer_params", np.array([[text.encode("utf-8")]], dtype=np.object_)))
         return delta_response(pb, self, self, outputs, final, tokenizer, extra)
