@@ -61,9 +61,12 @@ class _Tally:
         self.choices: dict[int, Choice] = {}
         self.completion_tokens = 0
         self._prompt_tokens: dict[int, int] = {}  # per prompt (choice // n), not per sample
+        self.kv_transfer_params: dict | None = None  # a prefill engine's answer (disaggregated serving)
 
     def add(self, index: int, piece: Piece) -> None:
         self.completion_tokens += piece.num_output_tokens
+        if piece.kv_transfer_params is not None:
+            self.kv_transfer_params = piece.kv_transfer_params
         if piece.num_input_tokens is not None:
             self._prompt_tokens[index // self.n] = piece.num_input_tokens
         if not self.keep_choices:
@@ -338,7 +341,7 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
         metrics.requests.labels(endpoint, "200").inc()
         metrics.latency.labels(endpoint).observe(time.monotonic() - arrived)
         return JSONResponse(full_response(request_id, parsed.chat, parsed.model, list(tally.choices.values()),
-                                          tally.usage(), parsed.logprobs))
+                                          tally.usage(), parsed.logprobs, tally.kv_transfer_params))
 
     async def _stream(parsed, request_id, generation, first, endpoint, arrived):
         writer = ChunkWriter(request_id, parsed.chat, parsed.model, parsed.logprobs)

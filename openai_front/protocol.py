@@ -25,7 +25,7 @@ MAX_USER_CHARS = 256  # as the `llm` model's sampling_parameters.user
 IGNORED_FIELDS = ("metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
                   "request_id")
 COMMON_FIELDS = frozenset({"model", "stream", "max_tokens", "n", "stop", "best_of", "logit_bias", "response_format",
-                           "user", *SAMPLING_FIELDS, *STRUCTURED_FIELDS, *IGNORED_FIELDS})
+                           "user", "kv_transfer_params", *SAMPLING_FIELDS, *STRUCTURED_FIELDS, *IGNORED_FIELDS})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                "tool_choice", "functions", "function_call", "modalities", "audio",
                                "prediction", "reasoning_effort", "web_search_options", "add_generation_prompt"}
@@ -214,6 +214,11 @@ def _common(body, chat: bool, limits: Limits, served_models: tuple[str, ...]) ->
         sampling["structured_outputs"] = structured
     if n > 1:
         sampling["n"] = n
+    transfer = body.get("kv_transfer_params")
+    if transfer is not None:  # disaggregated serving (vLLM's field; the `llm` model checks its keys)
+        if not isinstance(transfer, dict):
+            raise bad_request("kv_transfer_params", "kv_transfer_params: expected an object")
+        sampling["kv_transfer_params"] = transfer
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise bad_request("user", f"user: expected a string of at most {MAX_USER_CHARS} characters")
@@ -276,6 +281,8 @@ def parse_completion(body, limits: Limits, served_models: tuple[str, ...]) -> Ge
         raise bad_request("prompt", f"prompt: at most {MAX_PROMPTS} prompts, got {len(request.prompts)}")
     if len(request.prompts) * request.n > MAX_PROMPTS:
         raise bad_request("n", f"n: prompts x n is at most {MAX_PROMPTS}")
+    if len(request.prompts) > 1 and "kv_transfer_params" in request.sampling:
+        raise bad_request("kv_transfer_params", "kv_transfer_params: one prompt per disaggregated request")
     request.echo = bool(_bool(body, "echo"))
     request.logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     if request.logprobs is not None:

@@ -45,13 +45,14 @@ def generate_request(request_id: str, token_ids: list[int], parsed: GenerationRe
         field = "messages" if parsed.chat else "prompt"
         raise bad_request(field, f"{field}: the prompt has no tokens")
     sampling = dict(parsed.sampling)
-    priority = sampling.pop("priority", 0)  # a request field in vLLM, not a sampling parameter
+    priority = sampling.pop("priority", 0)  # request fields in vLLM, not sampling parameters
+    kv_transfer_params = sampling.pop("kv_transfer_params", None)
     sampling.setdefault("max_tokens", default_max_tokens)
     return {"request_id": request_id, "token_ids": token_ids, "token_offsets": None, "features": None,
             "content_parts": None, "sampling_params": sampling, "model": parsed.model, "reasoning_ended": None,
             "reasoning_parser_kwargs": None, "return_token_ids": None, "output_mode": "tokens",
             "stream": parsed.stream, "stream_options": _stream_options(parsed), "cache_salt": None,
-            "priority": priority, "kv_transfer_params": None, "ec_transfer_params": None}
+            "priority": priority, "kv_transfer_params": kv_transfer_params, "ec_transfer_params": None}
 
 
 def _stream_options(parsed: GenerationRequest) -> dict | None:

@@ -79,7 +79,9 @@ def _header(request_id: str, chat: bool, model: str, created: int, chunk: bool) 
 
 
 def full_response(request_id: str, chat: bool, model: str, choices: list[Choice], usage: Usage,
-                  top_logprobs: int | None) -> dict:
+                  top_logprobs: int | None, kv_transfer_params: dict | None = None) -> dict:
+    """``kv_transfer_params``: a prefill engine's answer, at the top level where vLLM puts it (and
+    vllm-router's disaggregated mode reads it for the decode leg)."""
     body = _header(request_id, chat, model, int(time.time()), False)
     rendered = []
     for choice in sorted(choices, key=lambda c: c.index):
@@ -95,6 +97,8 @@ def full_response(request_id: str, chat: bool, model: str, choices: list[Choice]
                              "finish_reason": choice.finish_reason})
     body["choices"] = rendered
     body["usage"] = usage.body()
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
     return body
 
 

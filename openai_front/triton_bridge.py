@@ -39,6 +39,7 @@ class Piece:
     num_input_tokens: int | None
     finish_reason: str | None  # "stop" / "length" / "abort" on the sample's last piece, else None
     logprobs: list[dict] = field(default_factory=list)  # per token: {"<id>": {"logprob", "rank", "decoded_token"}}
+    kv_transfer_params: dict | None = None  # a prefill engine's final answer: where to pull the prompt's KV
 
 
 def _tensor(name: str, array: np.ndarray) -> InferInput:
@@ -83,8 +84,9 @@ def _pieces(result) -> list[Piece]:
     inputs = values("num_input_tokens", None)
     indexes = values("sequence_index", 0)
     logprobs = [json.loads(t) if t else [] for t in values("logprobs", b"[]")]
+    transfers = [json.loads(t) if t else None for t in values("kv_transfer_params", b"")]
     return [Piece(int(indexes[i]), texts[i], int(counts[i]), None if inputs[0] is None else int(inputs[0]),
-                  None if reasons[i] in ("None", "") else reasons[i], logprobs[i] or [])
+                  None if reasons[i] in ("None", "") else reasons[i], logprobs[i] or [], transfers[i])
             for i in range(column)]
 
 
@@ -132,7 +134,8 @@ class TritonBridge:
         """The pieces of one generation as Triton sends them; ApiError when Triton refuses it.
         Closing the iterator before the end cancels the request in Triton."""
         names = [*BASE_OUTPUTS, *(("sequence_index",) if sampling.get("n", 1) > 1 else ()),
-                 *(("logprobs",) if logprobs else ())]
+                 *(("logprobs",) if logprobs else ()),
+                 *(("kv_transfer_params",) if "kv_transfer_params" in sampling else ())]
         request = {"model_name": self.model, "inputs": generation_inputs(prompt, messages, sampling, echo, logprobs),
                    "outputs": [InferRequestedOutput(name) for name in names], "request_id": request_id,
                    "parameters": {"triton_enable_empty_final_response": True}}

@@ -19,6 +19,8 @@ from backend.engine_core.core import EngineCore
 from backend.engine_core.engine_client import EngineClient, engine_outputs
 from backend.engine_core.messages import AddRequest, CoreReady
 
+IDLE_TICK_SECONDS = 0.5  # an idle engine still iterates this often (as the core process's heartbeat)
+
 logger = logging.getLogger(__name__)
 
 
@@ -67,11 +69,13 @@ class InThreadClient(EngineClient):
 
     def _run(self) -> None:
         core = self.core
+        last_posted = None  # the stats last handed to the responder (the metrics are set from them)
         try:
             while True:
                 with self._cond:
                     while not self._has_news():
-                        self._cond.wait()
+                        if not self._cond.wait(IDLE_TICK_SECONDS):
+                            break  # idle: one iteration for the core's housekeeping (kept blocks' timeouts)
                     pending, self._pending = self._pending, []
                     aborts, self._aborts = self._aborts, []
                 stop_message = self.admission.closed_message
@@ -84,7 +88,8 @@ class InThreadClient(EngineClient):
                 outputs = core.iterate(pending, aborts)
                 stats = core.stats()
                 self.admission.engine_reported(stats.num_waiting, core.num_adds_seen)
-                if outputs or pending or aborts:
+                if outputs or pending or aborts or stats != last_posted:
                     self._post(engine_outputs(outputs, stats))
+                    last_posted = stats
         finally:
             self._post(None)

@@ -61,6 +61,7 @@ class ProcessClient(EngineClient):
         self._active: set[str] = set()  # submitted, no final output seen yet
         self._outgoing: list[AddRequest] = []  # submitted, not sent yet (see flush)
         self._available = False  # a core is up and reachable
+        self._last_posted_stats = None  # the statistics last handed to the responder (the metrics' source)
         self._thread = threading.Thread(target=self._run, name="llm-engine-core-reader", daemon=True)
 
     def start(self, timeout: float = START_TIMEOUT_SECONDS) -> CoreReady:
@@ -154,8 +155,10 @@ class ProcessClient(EngineClient):
             for output in message.outputs:
                 if output.finished:
                     self._active.discard(output.request_id)
-        if message.outputs or message.stepped:
+        # A heartbeat whose statistics changed (an idle prefill engine freed kept blocks) updates the metrics too.
+        if message.outputs or message.stepped or message.stats != self._last_posted_stats:
             self._post(engine_outputs(message.outputs, message.stats, now))
+            self._last_posted_stats = message.stats
 
     def _fail_active(self, message: str) -> None:
         with self._lock:

@@ -11,8 +11,15 @@ where the longest prefix of its tokens is already cached, asking a front for the
 seconds, so a replica that dies stops getting requests and one that comes back gets them again;
 the launcher restarts its own tritonserver when it crashes.
 
-Command line: ``python -m backend.server.replicas [--replicas 2] [--policy kv_aware] [--port 8080]
-[--model-repository DIR]``; Ctrl-C stops the router and every replica.
+Disaggregated (``--prefill P --decode D``): P replicas with ``kv_role: prefill`` (each serving its
+finished prompts' KV blocks on its own loopback transfer port) and D with ``kv_role: decode``
+(pulling only from those ports, ``kv_transfer_peers``), behind vllm-router's
+``--vllm-pd-disaggregation`` mode: it sends each request to a prefill replica with
+``kv_transfer_params: {"do_remote_decode": true}`` and ``max_tokens`` 1, then to a decode replica
+with the transfer parameters that answer carried (backend/kv_transfer).
+
+Command line: ``python -m backend.server.replicas [--replicas 2 | --prefill 1 --decode 1]
+[--policy kv_aware] [--port 8080] [--model-repository DIR]``; Ctrl-C stops the router and every replica.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from backend.server.repository_copy import copy_repository
 
 POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "power_of_two", "random",
             "sticky_least_loaded")
+PD_POLICIES = tuple(p for p in POLICIES if p != "kv_aware")  # kv_aware's PD mode reads events differently
+ROLES = ("both", "prefill", "decode")
 REPLICA_MODELS = ("llm", "tokenizer")
 HEALTH_CHECK_INTERVAL_SECONDS = 2
 CIRCUIT_OPEN_SECONDS = 5  # vllm-router's default is 60
@@ -54,10 +63,11 @@ class ReplicaPorts:
     openai: int
     events: int
     replay: int
+    transfer: int  # a prefill replica's KV transfer endpoint
 
     @classmethod
     def free(cls) -> ReplicaPorts:
-        return cls(*(free_port() for _ in range(6)))
+        return cls(*(free_port() for _ in range(7)))
 
     @property
     def url(self) -> str:
@@ -71,6 +81,20 @@ class ReplicaPorts:
     @property
     def replay_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.replay}"
+
+    @property
+    def transfer_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.transfer}"
+
+
+def role_parameters(role: str, ports: ReplicaPorts, prefill_ports: list[ReplicaPorts]) -> dict[str, str]:
+    """`llm`'s disaggregation parameters for a replica of ``role``: a prefill replica serves its
+    blocks on its transfer port; a decode replica may pull from every prefill replica's, and only those."""
+    if role == "prefill":
+        return {"kv_role": "prefill", "kv_transfer_endpoint": ports.transfer_endpoint}
+    if role == "decode":
+        return {"kv_role": "decode", "kv_transfer_peers": ",".join(f"127.0.0.1:{p.transfer}" for p in prefill_ports)}
+    return {}
 
 
 def write_replica_repository(source: Path, destination: Path, ports: ReplicaPorts,
@@ -89,16 +113,26 @@ def block_size_of(repository: Path) -> int:
 
 def router_command(replicas: list[ReplicaPorts], policy: str, port: int, prometheus_port: int, block_size: int,
                    host: str = "127.0.0.1", model: str = "llm", log_level: str = "info",
-                   session_affinity_ttl: int | None = None) -> list[str]:
+                   session_affinity_ttl: int | None = None, roles: list[str] | None = None) -> list[str]:
     """vllm-router's command line. ``session_affinity_ttl`` (kv_aware only): a session (its
     ``x-session-id`` header) stays on the replica its first request was costed to until it has been
-    idle this many seconds; its later turns skip the render calls."""
+    idle this many seconds; its later turns skip the render calls. ``roles`` (one per replica):
+    with prefill and decode replicas, the router's disaggregated mode over them."""
     check_session_affinity(policy, session_affinity_ttl)
     binary = shutil.which("vllm-router", path=os.path.dirname(sys.executable)) or shutil.which("vllm-router")
     if binary is None:
         raise ReplicaError("vllm-router is not installed: `make setup` installs it (pyproject's router extra)")
-    command = [binary, "--host", host, "--port", str(port), "--policy", policy,
-               "--worker-urls", *(ports.url for ports in replicas),
+    roles = roles or ["both"] * len(replicas)
+    disaggregated = "prefill" in roles
+    if disaggregated:
+        if policy not in PD_POLICIES:
+            raise ValueError(f"--policy: one of {', '.join(PD_POLICIES)} with --prefill/--decode, got {policy!r}")
+        workers = ["--vllm-pd-disaggregation", "--worker-startup-check-interval", "1"]
+        for ports, role in zip(replicas, roles, strict=True):
+            workers += [f"--{role}", ports.url]
+    else:
+        workers = ["--worker-urls", *(ports.url for ports in replicas)]
+    command = [binary, "--host", host, "--port", str(port), "--policy", policy, *workers,
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
                "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_SECONDS), "--health-failure-threshold", "1",
                "--health-check-endpoint", "/health",
@@ -149,14 +183,21 @@ class Replicas:
     def __init__(self, num_replicas: int = 2, policy: str = "kv_aware", port: int | None = None,
                  model_repository: Path = DEFAULT_MODEL_REPOSITORY, log_dir: Path | None = None,
                  host: str = "127.0.0.1", overrides: dict[str, str] | None = None, router_log_level: str = "info",
-                 session_affinity_ttl: int | None = None, pin_cpus: bool = True) -> None:
+                 session_affinity_ttl: int | None = None, pin_cpus: bool = True, num_prefill: int = 0,
+                 num_decode: int = 0) -> None:
         """``overrides``: `llm` parameters every replica changes; ``router_log_level`` debug logs each
         routing decision (what the router believes each replica has cached); ``session_affinity_ttl``:
-        see :func:`router_command`; ``pin_cpus``: each replica runs on its own CPUs (:func:`replica_cpus`)."""
+        see :func:`router_command`; ``pin_cpus``: each replica runs on its own CPUs (:func:`replica_cpus`);
+        ``num_prefill`` and ``num_decode`` (both, instead of ``num_replicas``): disaggregated serving."""
+        if num_prefill or num_decode:
+            if num_prefill < 1 or num_decode < 1:
+                raise ValueError(f"--prefill and --decode: at least 1 each, got {num_prefill} and {num_decode}")
+            num_replicas = num_prefill + num_decode
         if num_replicas < 1:
             raise ValueError(f"--replicas: at least 1, got {num_replicas}")
         if policy not in POLICIES:
             raise ValueError(f"--policy: one of {', '.join(POLICIES)}, got {policy!r}")
+        self.roles = ["prefill"] * num_prefill + ["decode"] * num_decode or ["both"] * num_replicas
         self.policy = policy
         self.host = host
         self.overrides = dict(overrides or {})
@@ -185,7 +226,9 @@ class Replicas:
         running = self.processes[index]
         if running is not None and running.poll() is None:
             raise ReplicaError(f"replica {index} is already running (pid {running.pid}); stop it first")
-        repository = write_replica_repository(self.source, self.work_dir / f"replica-{index}", ports, self.overrides)
+        prefill_ports = [p for p, role in zip(self.ports, self.roles, strict=True) if role == "prefill"]
+        overrides = {**self.overrides, **role_parameters(self.roles[index], ports, prefill_ports)}
+        repository = write_replica_repository(self.source, self.work_dir / f"replica-{index}", ports, overrides)
         command = [sys.executable, "-m", "backend.server.launcher", "--model-repository", str(repository),
                    "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),
                    "--openai-port", str(ports.openai), "--",
@@ -243,7 +286,7 @@ class Replicas:
             raise ReplicaError(f"vllm-router is already running (pid {self.router.pid})")
         command = router_command(self.ports, self.policy, self.port, free_port(), block_size_of(self.source),
                                  host=self.host, log_level=self.router_log_level,
-                                 session_affinity_ttl=self.session_affinity_ttl)
+                                 session_affinity_ttl=self.session_affinity_ttl, roles=self.roles)
         with open(self.log_path(None), "ab") as log:
             self.router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True)
@@ -275,7 +318,10 @@ class Replicas:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.server.replicas", description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--policy", choices=POLICIES, default="kv_aware")
+    parser.add_argument("--prefill", type=int, default=0, help="disaggregated: prefill replicas (with --decode)")
+    parser.add_argument("--decode", type=int, default=0, help="disaggregated: decode replicas (with --prefill)")
+    parser.add_argument("--policy", choices=POLICIES, default=None,
+                        help="the router's policy (default: kv_aware; round_robin when disaggregated)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("ROUTER_PORT", 8080)))
     parser.add_argument("--model-repository", type=Path, default=Path(os.environ.get("MODEL_REPOSITORY",
                                                                                       DEFAULT_MODEL_REPOSITORY)))
@@ -294,13 +340,17 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    replicas = Replicas(args.replicas, args.policy, args.port, args.model_repository, args.log_dir, host,
-                        session_affinity_ttl=args.session_affinity_ttl, pin_cpus=not args.no_pin_cpus)
+    disaggregated = bool(args.prefill or args.decode)
+    policy = args.policy or ("round_robin" if disaggregated else "kv_aware")
+    replicas = Replicas(args.replicas, policy, args.port, args.model_repository, args.log_dir, host,
+                        session_affinity_ttl=args.session_affinity_ttl, pin_cpus=not args.no_pin_cpus,
+                        num_prefill=args.prefill, num_decode=args.decode)
     try:
-        print(f"starting {args.replicas} replicas (logs in {replicas.log_dir})...", flush=True)
+        print(f"starting {len(replicas.ports)} replicas (logs in {replicas.log_dir})...", flush=True)
         replicas.start()
-        print(f"vllm-router ({args.policy}) on {replicas.url}/v1 over " +
-              ", ".join(ports.url for ports in replicas.ports) + " (Ctrl-C stops all)", flush=True)
+        print(f"vllm-router ({policy}) on {replicas.url}/v1 over " +
+              ", ".join(f"{ports.url} ({role})" for ports, role in zip(replicas.ports, replicas.roles, strict=True)) +
+              " (Ctrl-C stops all)", flush=True)
         while not stopping:
             time.sleep(0.5)
     finally:

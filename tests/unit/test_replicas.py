@@ -12,7 +12,7 @@ from backend.server.replicas import ReplicaError, ReplicaPorts, Replicas, replic
 from openai_front import triton_bridge
 from openai_front.triton_bridge import TritonBridge
 
-PORTS = [ReplicaPorts(1, 2, 3, 4005, 4006, 4007), ReplicaPorts(11, 12, 13, 4105, 4106, 4107)]
+PORTS = [ReplicaPorts(1, 2, 3, 4005, 4006, 4007, 4008), ReplicaPorts(11, 12, 13, 4105, 4106, 4107, 4108)]
 
 
 def test_kv_aware_subscribes_to_every_replica_and_sets_session_affinity():
@@ -82,3 +82,23 @@ def test_replicas_get_disjoint_cpu_shares_or_one_cpu_each():
     assert replica_cpus(3, [0, 1, 2, 3, 4, 5, 6]) == [{0, 1}, {2, 3}, {4, 5}]
     assert replica_cpus(3, [4, 5]) == [{4}, {5}, {4}]
     assert replica_cpus(1, [0, 1]) == [{0, 1}]
+
+
+def test_disaggregated_replicas_get_their_roles_and_the_router_its_pd_mode():
+    from backend.server.replicas import role_parameters  # noqa: PLC0415
+
+    command = router_command(PORTS, "round_robin", 8080, 9000, 16, roles=["prefill", "decode"])
+    assert "--vllm-pd-disaggregation" in command and "--worker-urls" not in command
+    assert command[command.index("--prefill") + 1] == "http://127.0.0.1:4005"
+    assert command[command.index("--decode") + 1] == "http://127.0.0.1:4105"
+    with pytest.raises(ValueError, match="--policy: one of"):
+        router_command(PORTS, "kv_aware", 8080, 9000, 16, roles=["prefill", "decode"])
+    assert role_parameters("prefill", PORTS[0], PORTS[:1]) == {"kv_role": "prefill",
+                                                                "kv_transfer_endpoint": "tcp://127.0.0.1:4008"}
+    assert role_parameters("decode", PORTS[1], PORTS) == {"kv_role": "decode",
+                                                           "kv_transfer_peers": "127.0.0.1:4008,127.0.0.1:4108"}
+    assert role_parameters("both", PORTS[0], []) == {}
+    replicas = Replicas(policy="round_robin", num_prefill=2, num_decode=1)
+    assert replicas.roles == ["prefill", "prefill", "decode"] and len(replicas.ports) == 3
+    with pytest.raises(ValueError, match="at least 1 each"):
+        Replicas(policy="round_robin", num_prefill=1, num_decode=0)
