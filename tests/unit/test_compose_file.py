@@ -40,6 +40,12 @@ def triton_services(services: dict) -> dict:
     return {name: s for name, s in services.items() if "exec tritonserver" in " ".join(s.get("command") or [])}
 
 
+def scale_services(services: dict) -> dict:
+    """The services of the default and `scale` profiles (nginx and the kv_aware router's pool; the
+    `pd` profile's prefill and decode replicas have their own router)."""
+    return {name: s for name, s in services.items() if set(s.get("profiles", ["scale"])) & {"scale"}}
+
+
 def command_text(service: dict) -> str:
     return " ".join(service.get("command") or [])
 
@@ -169,7 +175,7 @@ def test_nginx_routes_grpc_by_session_hash_to_every_replica(services):
     assert "hash $http_x_session_id consistent;" in upstream.group(2)
     assert f"grpc_pass grpc://{upstream.group(1)};" in conf
     servers = re.findall(r"server ([\w-]+):(\d+)", upstream.group(2))
-    replicas = triton_services(services)
+    replicas = triton_services(scale_services(services))
     assert {host for host, _ in servers} == set(replicas)
     assert {port for _, port in servers} == {"8001"}
     assert set(nginx["depends_on"]) == set(replicas)
@@ -202,7 +208,7 @@ def test_docker_compose_accepts_the_file_when_available():
     docker = shutil.which("docker")
     if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
         pytest.skip("docker compose plugin not installed")
-    for args in ([], ["--profile", "scale"], ["--profile", "openai"]):
+    for args in ([], ["--profile", "scale"], ["--profile", "openai"], ["--profile", "pd"]):
         done = subprocess.run([docker, "compose", "-f", str(COMPOSE), *args, "config", "-q"],
                               capture_output=True, text=True, cwd=REPO_ROOT)
         assert done.returncode == 0, done.stderr
@@ -213,7 +219,7 @@ def test_the_router_routes_over_every_replicas_front_with_its_kv_events(services
     assert router["profiles"] == ["scale"]
     command = command_text(router)
     assert "--policy kv_aware" in command and "requirements-router.txt" in command
-    fronts = {name: s for name, s in services.items() if "python3 -m openai_front" in command_text(s)}
+    fronts = {name: s for name, s in scale_services(services).items() if "python3 -m openai_front" in command_text(s)}
     workers = re.search(r"--worker-urls ((?:http://\S+ ?)+)", command).group(1).split()
     assert sorted(workers) == sorted(f"http://{name}:9000" for name in fronts)
     sources = dict(re.findall(r"--kv-event-source (\S+)=(\S+)", command))
@@ -231,3 +237,19 @@ def test_the_router_routes_over_every_replicas_front_with_its_kv_events(services
     assert f"--kv-event-block-size {block_size}" in command
     pin = (REPO_ROOT / "deploy/requirements-router.txt").read_text().strip()
     assert pin in (REPO_ROOT / "pyproject.toml").read_text()
+
+
+def test_the_pd_profile_runs_a_prefill_and_a_decode_replica_behind_the_routers_pd_mode(services):
+    prefill, decode, router = services["triton-prefill"], services["triton-decode"], services["router-pd"]
+    assert all(s["profiles"] == ["pd"] for s in (prefill, decode, router))
+    assert "--set kv_role=prefill --set 'kv_transfer_endpoint=tcp://*:5600'" in command_text(prefill)
+    assert prefill["hostname"] == "triton-prefill"  # what it advertises to decode engines
+    assert "--set kv_role=decode --set kv_transfer_peers=triton-prefill:5600" in command_text(decode)
+    command = command_text(router)
+    assert "--vllm-pd-disaggregation" in command and "requirements-router.txt" in command
+    for role, triton in (("prefill", "triton-prefill"), ("decode", "triton-decode")):
+        front = re.search(rf"--{role} http://([\w-]+):9000", command).group(1)
+        assert f"--triton-url {triton}:8001" in command_text(services[front])
+        assert services[front]["profiles"] == ["pd"] and router["depends_on"][front]["condition"] == "service_healthy"
+        assert services[front]["depends_on"][triton]["condition"] == "service_healthy"
+        assert "/health" in " ".join(services[front]["healthcheck"]["test"])
