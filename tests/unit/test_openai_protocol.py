@@ -97,3 +97,22 @@ def test_answers_have_openais_shapes():
     completion = full_response("cmpl-1", False, "llm", [Choice(0, "x", "stop", entries)], Usage(1, 1), 1)
     assert completion["choices"][0]["logprobs"]["tokens"] == ["x"]
     assert completion["choices"][0]["logprobs"]["top_logprobs"] == [{"x": -0.5}]
+
+
+def test_kv_transfer_params_pass_through_and_come_back_at_the_top_of_the_answer():
+    """vllm-router's PD legs: the body's object goes to the `llm` model as is (it checks every key);
+    a prefill engine's answer carries its own at the top level, where the router reads it."""
+    leg = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_host": None}
+    for parse, body in ((parse_chat, {"messages": [{"role": "user", "content": "hi"}]}),
+                        (parse_completion, {"prompt": "hi"})):
+        request = parse({"model": "llm", "max_tokens": 1, "kv_transfer_params": leg, **body}, Limits(), ("llm",))
+        assert request.sampling["kv_transfer_params"] == leg
+        with pytest.raises(ApiError) as bad:
+            parse({"model": "llm", "kv_transfer_params": "do_remote_decode", **body}, Limits(), ("llm",))
+        assert bad.value.param == "kv_transfer_params"
+    with pytest.raises(ApiError, match="one prompt per disaggregated request"):
+        parse_completion({"model": "llm", "prompt": ["a", "b"], "kv_transfer_params": leg}, Limits(), ("llm",))
+    answer = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5600, "transfer_token": "t" * 43}
+    body = full_response("cmpl-1", False, "llm", [Choice(0, "x", "length")], Usage(3, 1), None, answer)
+    assert body["kv_transfer_params"] == answer
+    assert "kv_transfer_params" not in full_response("cmpl-1", False, "llm", [Choice(0, "x", "length")], Usage(3, 1), None)

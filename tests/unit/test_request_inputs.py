@@ -235,3 +235,23 @@ def test_priority_input_and_key():
     assert parse(text_input="x").sampling_params.priority == 0
     with pytest.raises(InputError, match="priority must be a 32-bit integer"):
         parse(text_input="x", sampling_parameters=json.dumps({"priority": 2**40}))
+
+
+def test_kv_transfer_params_key_is_parsed_and_checked_against_the_role():
+    from backend.config import KVTransferConfig  # noqa: PLC0415
+
+    leg = {"do_remote_prefill": True, "remote_host": "10.0.0.5", "remote_port": 5600, "transfer_token": "t" * 43}
+    decode = InputProcessor(None, vocab_size=50000, max_model_len=1001,
+                            kv_transfer=KVTransferConfig(kv_role="decode", kv_transfer_peers="10.0.0.5:5600"))
+    parsed = parse_request(tensors(text_input="hi", sampling_parameters=json.dumps({"kv_transfer_params": leg})),
+                           16, decode.check_sampling_params)
+    assert parsed.sampling_params.kv_transfer_params.remote_port == 5600
+    assert parse(text_input="hi", sampling_parameters=json.dumps({"kv_transfer_params": None})).sampling_params \
+        .kv_transfer_params is None
+    for params, message in ((dict(leg, remote_port=5601), "kv_transfer_params.remote_host: 10.0.0.5:5601 is not one"),
+                            (dict(leg, remote_port="5600"), "sampling_parameters.kv_transfer_params.remote_port")):
+        with pytest.raises(InputError, match=message):
+            parse_request(tensors(text_input="hi", sampling_parameters=json.dumps({"kv_transfer_params": params})),
+                          16, decode.check_sampling_params)
+    with pytest.raises(InputError, match="this model is not a decode engine"):  # the default role: both
+        parse(text_input="hi", sampling_parameters=json.dumps({"kv_transfer_params": leg}))
