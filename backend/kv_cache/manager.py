@@ -167,11 +167,16 @@ class KVCacheManager:
         self._uncount_lookup(request, start)
         return None
 
-    def _pull(self, request: Request, params, start: int, max_num_blocks: int) -> None:
-        """Starts the request's one pull from its prefill engine (of nothing but a release when the
-        pool already holds every block it could use)."""
+    def _pull(self, request: Request, params, start: int, max_num_blocks: int) -> list[StoredBlock] | None:
+        """Starts the request's one pull from its prefill engine (None: it waits for it). When the
+        pool already holds every block it could use, the prefill engine is only told to let its
+        blocks go, and the request runs at once ([])."""
         request.kv_pull_done = True
-        expected = self._expected(request, start, max_num_blocks) if start < max_num_blocks else []
+        if start >= max_num_blocks:
+            self.puller.pull_async(params, start, [])  # a release; nobody waits for its answer
+            self._restores[request.request_id] = None
+            return []
+        expected = self._expected(request, start, max_num_blocks)
         self._restores[request.request_id] = (self.puller.pull_async(params, start, expected), start, True)
         self._uncount_lookup(request, start)
         return None
