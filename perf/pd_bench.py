@@ -1,7 +1,7 @@
 """Disaggregated prefill/decode against colocated replicas: steady decoding streams while long prompts burst in.
 
     .venv/bin/python -m perf.pd_bench [--model smollm2|demo] [--rounds 3] [--prompt-lens 2048]
-        [--steady-streams 4] [--steady-output 128] [--bursts 4] [--burst-size 2] [--burst-interval 12]
+        [--steady-streams 4] [--steady-output 128] [--bursts 12] [--burst-size 1] [--burst-interval 3]
 
 Two systems on this machine's CPUs, alternating within each round (the order reversed in the next),
 each on fresh replicas (backend/server/replicas.py) pinned one CPU each:
@@ -12,7 +12,9 @@ each on fresh replicas (backend/server/replicas.py) pinned one CPU each:
 The workload, over OpenAI HTTP streams through the router: ``--steady-streams`` users each send
 one short prompt after another (64 tokens, ``--steady-output`` tokens out) for the whole run, and
 ``--bursts`` times, ``--burst-interval`` seconds apart, ``--burst-size`` long prompts (each prompt
-length of ``--prompt-lens``, 16 tokens out) arrive at once. Reported per system and prompt length:
+length of ``--prompt-lens``, 16 tokens out) arrive at once; for long prompts the interval grows
+so that they bring at most ``--max-prefill-rate`` prompt tokens a second (below what one CPU
+prefills: beyond it every system's queue only grows). Reported per system and prompt length:
 the ITL p50/p99 of the steady streams (what a long prefill does to everyone's stream), TTFT
 p50/p99 of the long prompts and of the steady ones, output tokens/s of everything, and per long
 prompt the KV bytes and seconds of its transfer (the decode replica's metrics). With several prompt
@@ -108,8 +110,9 @@ def run(url: str, workload: Workload, args) -> dict:
         thread.start()
     time.sleep(args.warmup)
     senders = []
+    interval = burst_interval(args, len(workload.bursts[0]) and workload.bursts[0][0].num_input_tokens)
     for index, burst in enumerate(workload.bursts):
-        delay = start + args.warmup + index * args.burst_interval - time.monotonic()
+        delay = start + args.warmup + index * interval - time.monotonic()
         if delay > 0:
             time.sleep(delay)
         for item in burst:
@@ -124,12 +127,19 @@ def run(url: str, workload: Workload, args) -> dict:
     return {"steady": steady, "long": long, "duration_s": time.monotonic() - start}
 
 
+def burst_interval(args, prompt_len: int) -> float:
+    """Seconds between bursts: ``--burst-interval``, or longer where the long prompts would bring
+    more than ``--max-prefill-rate`` tokens a second."""
+    return max(args.burst_interval, args.burst_size * prompt_len / args.max_prefill_rate)
+
+
 def summarize(records: dict, transfer: dict | None) -> dict:
     steady, long = records["steady"], records["long"]
     ok = [r for r in steady + long if r.error is None]
     itl = [gap for r in steady if r.error is None for gap in r.inter_token_latencies]
     result = {
-        "itl_steady_ms": summarize_ms(itl, (50, 99)).to_dict(),
+        "itl_steady_ms": summarize_ms(itl, (50, 99, 99.9, 100)).to_dict(),
+        "itl_steady_share_over_200ms": sum(1 for gap in itl if gap > 0.2) / max(1, len(itl)),
         "ttft_long_ms": summarize_ms([r.ttft for r in long if r.ttft is not None], (50, 99)).to_dict(),
         "ttft_steady_ms": summarize_ms([r.ttft for r in steady if r.ttft is not None], (50, 99)).to_dict(),
         "output_token_throughput": sum(r.num_output_tokens for r in ok) / records["duration_s"],
@@ -137,16 +147,27 @@ def summarize(records: dict, transfer: dict | None) -> dict:
         "errors": [r.error for r in steady + long if r.error is not None][:5],
         "num_errors": sum(1 for r in steady + long if r.error is not None),
     }
-    if transfer is not None:
+    if transfer is not None:  # every request is pulled, the steady ones' 3 full blocks too
         pulls = transfer["llm_kv_transfer_pulls_total"]
         result["transfer"] = {
             "pulls": pulls, "fallbacks": transfer["llm_kv_transfer_fallbacks_total"],
-            "bytes_per_long_prompt": transfer["llm_kv_transfer_received_bytes_total"] / max(1, len(long)),
+            "bytes": transfer["llm_kv_transfer_received_bytes_total"],
             "bytes_per_pull": transfer["llm_kv_transfer_received_bytes_total"] / pulls if pulls else 0.0,
             "seconds_per_pull": (transfer["llm_kv_transfer_pull_seconds_sum"]
                                  / max(1.0, transfer["llm_kv_transfer_pull_seconds_count"])),
         }
     return result
+
+
+def kv_bytes_per_token(config) -> int:
+    """Bytes of one token's KV in every layer, as the transfer sends them (the cache's dtype)."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    hf = AutoConfig.from_pretrained(config.model.model_dir)
+    head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    dtype = resolve_dtype(config.model.dtype, None, "cpu")
+    return 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_size * torch.tensor([], dtype=dtype).element_size()
 
 
 def measure_system(system: str, args, workloads: dict[int, Workload], overrides: dict[str, str]) -> dict[int, dict]:
@@ -177,20 +198,26 @@ def median(runs: list[dict], path) -> float:
     return statistics.median(path(run) for run in runs)
 
 
-def table(results: dict[str, dict[int, list[dict]]], prompt_len: int) -> str:
+def table(results: dict[str, dict[int, list[dict]]], prompt_len: int, bytes_per_token: int, block_size: int) -> str:
+    """Medians over rounds. The long prompt's KV is what its pull carries: its full blocks before
+    the last token (the decode engine computes that one)."""
+    long_kv = (prompt_len - 1) // block_size * block_size * bytes_per_token / 2**20
     lines = [f"| system ({prompt_len}-token prompts) | ITL p50 ms (steady) | ITL p99 ms (steady) | TTFT p50 ms (long) | "
-             "TTFT p99 ms (long) | TTFT p50 ms (steady) | output tok/s | KV per long prompt | pull s | errors |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "TTFT p99 ms (long) | TTFT p50 ms (steady) | output tok/s | KV per long prompt | pull s (mean) | "
+             "pulls / fallbacks | errors |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for system, by_len in results.items():
         runs = by_len[prompt_len]
         transfer = runs[-1].get("transfer")
-        kv = f"{median(runs, lambda r: r['transfer']['bytes_per_long_prompt']) / 2**20:.1f} MiB" if transfer else "-"
+        kv = f"{long_kv:.1f} MiB" if transfer else "-"
         seconds = f"{median(runs, lambda r: r['transfer']['seconds_per_pull']):.3f}" if transfer else "-"
+        counts = (f"{sum(r['transfer']['pulls'] for r in runs):.0f} / {sum(r['transfer']['fallbacks'] for r in runs):.0f}"
+                  if transfer else "-")
         lines.append(
             f"| {system} | {median(runs, lambda r: r['itl_steady_ms']['p50']):.0f} | "
             f"{median(runs, lambda r: r['itl_steady_ms']['p99']):.0f} | {median(runs, lambda r: r['ttft_long_ms']['p50']):.0f} | "
             f"{median(runs, lambda r: r['ttft_long_ms']['p99']):.0f} | {median(runs, lambda r: r['ttft_steady_ms']['p50']):.0f} | "
-            f"{median(runs, lambda r: r['output_token_throughput']):.1f} | {kv} | {seconds} | "
+            f"{median(runs, lambda r: r['output_token_throughput']):.1f} | {kv} | {seconds} | {counts} | "
             f"{sum(r['num_errors'] for r in runs)} |")
     return "\n".join(lines)
 
@@ -241,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-lens", default="2048", help="comma-separated long prompt lengths (tokens)")
     parser.add_argument("--steady-streams", type=int, default=4)
     parser.add_argument("--steady-output", type=int, default=128)
-    parser.add_argument("--bursts", type=int, default=4)
-    parser.add_argument("--burst-size", type=int, default=2)
-    parser.add_argument("--burst-interval", type=float, default=12.0, help="seconds between bursts")
+    parser.add_argument("--bursts", type=int, default=12)
+    parser.add_argument("--burst-size", type=int, default=1)
+    parser.add_argument("--burst-interval", type=float, default=3.0, help="seconds between bursts (at least)")
+    parser.add_argument("--max-prefill-rate", type=float, default=700.0,
+                        help="long-prompt tokens a second at most (longer prompts arrive less often)")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of steady streams before the first burst")
     parser.add_argument("--cooldown", type=float, default=3.0, help="seconds of steady streams after the last long prompt")
     parser.add_argument("--seed", type=int, default=0)
@@ -265,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[round {round_index + 1}/{args.rounds}] {system}: starting replicas...", flush=True)
             for prompt_len, result in measure_system(system, args, workloads, overrides).items():
                 results[system][prompt_len].append(result)
-    tables = "\n\n".join(table(results, n) for n in lengths)
+    tables = "\n\n".join(table(results, n, kv_bytes_per_token(config), config.cache.block_size) for n in lengths)
     print(tables)
     summary = {n: ratios(results, n) for n in lengths} if set(SYSTEMS) <= set(systems) else {}
     for n, r in summary.items():
