@@ -117,6 +117,18 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """LoRA adapters (backend/lora): which ones (``lora_adapters``, vllm_backend's multi_lora.json)
+    and how many per step and in memory."""
+
+    enable_lora: bool = False
+    max_loras: int = 4  # distinct adapters in the running batch
+    max_lora_rank: int = 16  # adapters of a higher rank are refused
+    max_cpu_loras: int = 8  # adapters kept loaded (least recently used out; those in use never)
+    lora_adapters: str = ""  # name -> PEFT folder JSON; empty: 1/multi_lora.json in the model's folder
+
+
+@dataclass(frozen=True, slots=True)
 class KVTransferConfig:
     """Prefill/decode disaggregation (backend/kv_transfer): a prefill engine serves a finished prompt's
     KV blocks, a decode engine pulls them from the peers listed here."""
@@ -150,6 +162,7 @@ class EngineConfig:
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 _CHOICES = {
@@ -214,6 +227,11 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "kv_transfer_peers": ("kv_transfer", "text", None),
     "kv_transfer_timeout_seconds": ("kv_transfer", "int", 1),
     "kv_transfer_pull_timeout_seconds": ("kv_transfer", "int", 1),
+    "enable_lora": ("lora", "bool", None),
+    "max_loras": ("lora", "int", 1),
+    "max_lora_rank": ("lora", "int", 1),
+    "max_cpu_loras": ("lora", "int", 1),
+    "lora_adapters": ("lora", "path", None),
 }
 
 # tcp://HOST:PORT with a name, an IPv4 address, [an IPv6 address] or * (every interface).
@@ -255,7 +273,7 @@ def parse_parameter_value(name: str, kind: str, minimum: int | None, raw: str, b
             raise ConfigError(f"parameter '{name}': at most {MAX_TEXT_PARAMETER_CHARS} characters")
         return text
     if kind == "path":
-        if not text and name in ("kv_offload_dir", "speculative_model_dir"):
+        if not text and name in ("kv_offload_dir", "speculative_model_dir", "lora_adapters"):
             return ""  # the default folder; no draft model
         if not text:
             raise ConfigError(f"parameter '{name}': must not be empty")
@@ -274,7 +292,7 @@ def parse_engine_config(
     accepted and ignored (they belong to the caller). Raises ConfigError naming the parameter.
     """
     sections: dict[str, dict] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}, "structured_output": {},
-                                 "kv_events": {}, "kv_transfer": {}}
+                                 "kv_events": {}, "kv_transfer": {}, "lora": {}}
     for name, raw in parameters.items():
         if name in extra_names:
             continue
@@ -286,6 +304,9 @@ def parse_engine_config(
     model = sections["model"]
     if "model_dir" not in model:
         raise ConfigError("parameter 'model_dir': required")
+    lora = sections["lora"]
+    if not lora.get("lora_adapters") and base_dir is not None:  # vllm_backend's place for it
+        lora["lora_adapters"] = os.path.join(base_dir, "1", "multi_lora.json")
     model.setdefault("tokenizer_dir", model["model_dir"])
     config = EngineConfig(
         model=ModelConfig(**model),
@@ -295,6 +316,7 @@ def parse_engine_config(
         structured_output=StructuredOutputConfig(**sections["structured_output"]),
         kv_events=KVEventsConfig(**sections["kv_events"]),
         kv_transfer=KVTransferConfig(**sections["kv_transfer"]),
+        lora=LoRAConfig(**lora),
     )
     validate_engine_config(config)
     return config
@@ -318,6 +340,7 @@ def validate_engine_config(config: EngineConfig) -> None:
     _validate_speculative(config.speculative)
     _validate_kv_events(config.kv_events, cache)
     _validate_kv_transfer(config.kv_transfer, cache)
+    _validate_lora(config)
     if sched.default_max_tokens >= model.max_model_len:
         raise ConfigError(
             f"parameter 'default_max_tokens': must be < max_model_len ({model.max_model_len})"
@@ -351,6 +374,21 @@ def _validate_kv_transfer(transfer: KVTransferConfig, cache: CacheConfig) -> Non
     if transfer.kv_role != "both" and not cache.enable_prefix_caching:
         raise ConfigError(f"parameter 'kv_role': {transfer.kv_role} needs enable_prefix_caching true (blocks "
                           "are matched by their chained hashes)")
+
+
+MAX_LORA_RANK = 256
+
+
+def _validate_lora(config: EngineConfig) -> None:
+    lora = config.lora
+    if lora.max_lora_rank > MAX_LORA_RANK:
+        raise ConfigError(f"parameter 'max_lora_rank': at most {MAX_LORA_RANK}, got {lora.max_lora_rank}")
+    if lora.max_cpu_loras < lora.max_loras:
+        raise ConfigError(f"parameter 'max_cpu_loras': must be >= max_loras ({lora.max_loras}): the adapters of a "
+                          f"step are all loaded, got {lora.max_cpu_loras}")
+    if lora.enable_lora and config.speculative.speculative_method == "draft":
+        raise ConfigError("parameter 'enable_lora': not with speculative_method draft (the draft model has no "
+                          "adapters, so its proposals would follow the base model; ngram works with adapters)")
 
 
 def _validate_speculative(spec: SpeculativeConfig) -> None:

@@ -24,6 +24,7 @@ def collect_engine_stats(engine) -> EngineStats:
         **_spec_decode_stats(engine.speculator),
         **_kv_event_stats(engine.kv_event_publisher),
         **_kv_transfer_stats(engine.kv_transfer),
+        **_lora_stats(engine),
     )
 
 
@@ -52,6 +53,14 @@ def _kv_event_stats(publisher) -> dict:
         return {}
     return {"kv_events_published_batches": publisher.stats.published_batches,
             "kv_events_dropped_batches": publisher.stats.dropped_batches}
+
+
+def _lora_stats(engine) -> dict:
+    if engine.lora is None:
+        return {}
+    scheduler = engine.scheduler
+    return engine.lora.engine_stats_fields({r.sampling_params.lora_name for r in scheduler.running},
+                                           {r.sampling_params.lora_name for r in scheduler.waiting})
 
 
 def _kv_transfer_stats(transfer) -> dict:

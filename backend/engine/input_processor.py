@@ -13,6 +13,7 @@ from collections import OrderedDict
 from backend.config import KVTransferConfig, StructuredOutputConfig
 from backend.engine.request import SamplingParams, SamplingParamsError
 from backend.kv_transfer.params import KVTransferParamsError, check_against
+from backend.lora.registry import AdapterRegistry, LoRAConfigError
 from backend.structured_output.budget import check_budget
 from backend.structured_output.spec import StructuredOutputError, check_spec
 
@@ -26,16 +27,18 @@ class EngineInputError(ValueError):
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
                  structured_output: StructuredOutputConfig | None = None,
-                 kv_transfer: KVTransferConfig | None = None):
+                 kv_transfer: KVTransferConfig | None = None, lora: AdapterRegistry | None = None):
         """``structured_output``: the budget a constraint must fit (backend/structured_output/budget.py);
         None checks no budget here (the engine still does when the request is added). ``kv_transfer``:
-        this engine's role in disaggregated serving and the peers it may pull from."""
+        this engine's role in disaggregated serving and the peers it may pull from. ``lora``: the
+        adapters it serves (None: none)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.structured_output = structured_output
         self.kv_transfer = kv_transfer or KVTransferConfig()
         self._peers = self.kv_transfer.peers
+        self.lora = lora
         self._valid_constraints: OrderedDict[str, None] = OrderedDict()  # cache keys, LRU
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -73,11 +76,27 @@ class InputProcessor:
             check_against(params.kv_transfer_params, self.kv_transfer.kv_role, self._peers)
         except KVTransferParamsError as exc:
             raise EngineInputError(str(exc)) from None
+        if params.lora_name is not None:
+            self.resolve_lora(params.lora_name)
         bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop_ids:
             raise EngineInputError(
                 f"stop_token_ids: {bad_stop_ids[0]} is not a token id of this model (ids are in [0, {self.vocab_size}))"
             )
+
+    def resolve_lora(self, name: str | None, task_id: int | None = None) -> str | None:
+        """The adapter a request names (``lora_name``, or TensorRT-LLM's ``lora_task_id``), None for the
+        base model; EngineInputError naming the field for one this model does not serve. A name is
+        only looked up in the adapter table: it never becomes a path."""
+        if name is None and task_id is None:
+            return None
+        if self.lora is None:
+            field = "lora_task_id" if task_id is not None else "lora_name"
+            raise EngineInputError(f"{field}: this model serves no LoRA adapters (parameter enable_lora)")
+        try:
+            return self.lora.resolve(name, task_id)
+        except LoRAConfigError as exc:
+            raise EngineInputError(str(exc)) from None
 
     def _check_constraint(self, params: SamplingParams) -> None:
         """The constraint fits the budget, then compiles (tokenizer-free, about a millisecond); refused

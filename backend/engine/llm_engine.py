@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from backend.config import EngineConfig
+from backend.config import ConfigError, EngineConfig
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.engine_stats import collect_engine_stats
 from backend.engine.input_processor import EngineInputError, InputProcessor
@@ -73,7 +73,7 @@ class LLMEngine:
         self.vocab_size = self.model_runner.shape.vocab_size
         self.eos_token_id = self._eos_token_id()
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
-                                              config.structured_output, config.kv_transfer)
+                                              config.structured_output, config.kv_transfer)  # (lora: see _lora_manager)
         self.num_kv_blocks = self.model_runner.num_kv_blocks
         block_size = self.model_runner.block_size
         self.offloader = build_offloader(config.cache, self.model_runner.kv_caches, block_size, config.model.model_dir)
@@ -89,6 +89,7 @@ class LLMEngine:
         self.kv_event_publisher = publisher_from_config(config.kv_events, self.kv_cache_manager, self.offloader)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.kv_cache_manager,
                                    is_held=is_held)
+        self.lora = self._lora_manager()  # LoRA adapters (backend/lora); None unless enable_lora
         self.sampler = Sampler(seed=config.model.seed)
         self.speculator = (Speculator(config, self.model_runner, self.sampler, self.max_model_len)
                            if config.speculative.enabled else None)
@@ -108,6 +109,25 @@ class LLMEngine:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         return eos
+
+    def _lora_manager(self):
+        """The adapters, attached to the model runner and the scheduler's max_loras; None without
+        enable_lora. A bad multi_lora.json fails the engine's start naming the file."""
+        if not self.config.lora.enable_lora:
+            return None
+        from backend.lora.manager import LoRAManager  # noqa: PLC0415
+        from backend.lora.registry import LoRAConfigError  # noqa: PLC0415
+
+        runner, scheduler = self.model_runner, self.scheduler
+        live = lambda: {r.sampling_params.lora_name for r in (*scheduler.running, *scheduler.waiting)}  # noqa: E731
+        try:
+            manager = LoRAManager(self.config.lora, runner.shape, runner.dtype, runner.device, live)
+        except LoRAConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        runner.attach_lora(manager)
+        scheduler.max_loras = self.config.lora.max_loras
+        self.input_processor.lora = manager.registry
+        return manager
 
     def _structured_output_manager(self):
         """Grammar compiler and matchers (backend/structured_output); None without xgrammar. A compile
@@ -167,6 +187,8 @@ class LLMEngine:
         reason = self.scheduler.rejection_reason(request)
         if reason is not None:
             raise EngineInputError(reason)
+        if params.lora_name is not None:
+            request.block_hash_root = self._adapter_root(params.lora_name)
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, stop=list(params.stop),
             skip_special_tokens=params.skip_special_tokens,
@@ -181,6 +203,19 @@ class LLMEngine:
         self.output_processor.register(request)
         self.scheduler.add_request(request)
         return request
+
+    def _adapter_root(self, name: str):
+        """Loads adapter ``name`` for a request (EngineInputError naming why it cannot be served) and
+        returns what its KV blocks chain to (backend/lora/manager.py root_hash)."""
+        if self.lora is None:
+            raise EngineInputError("lora_name: this model serves no LoRA adapters (parameter enable_lora)")
+        from backend.lora.manager import root_hash  # noqa: PLC0415
+        from backend.lora.registry import LoRAConfigError  # noqa: PLC0415
+
+        try:
+            return root_hash(self.lora.require(name))
+        except LoRAConfigError as exc:
+            raise EngineInputError(str(exc)) from None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Aborts a request (frees its blocks); returns its final output, or None if unknown.

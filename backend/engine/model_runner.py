@@ -128,8 +128,18 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.shape, num_kv_blocks, block_size, self.dtype, self.device)
         self.vocab_size = self.shape.vocab_size
         self.prompt_logprobs: dict[int, tuple[int, list[float]]] = {}  # of the last execute(): see _prompt_logprobs
+        self.lora = None  # backend/lora/manager.py LoRAManager, see attach_lora
+        self._row_adapters: list[str | None] = []  # of the last prepare(): each row's adapter
         if self.device.type == "cpu":
             tune_cpu_allocator()
+
+    def attach_lora(self, manager) -> None:
+        """Serve LoRA adapters: each step's rows get their request's adapter's deltas."""
+        from backend.lora.step import LoRAHook  # noqa: PLC0415
+
+        self.lora = manager
+        self.lora_hook = LoRAHook()
+        self.model.attach_lora(self.lora_hook)
 
     @classmethod
     def load(cls, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int) -> ModelRunner:
@@ -186,9 +196,14 @@ class ModelRunner:
         """
         bs = self.block_size
         num_seqs = len(scheduled)
-        # Decodes (one new token) first: the attention backends take them as one block of rows.
+        # Decodes (one new token) first: the attention backends take them as one block of rows; with
+        # LoRA adapters, each group's rows by adapter (stable), so an adapter's rows are contiguous.
         order = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1]
-        order += [i for i, s in enumerate(scheduled) if s.num_new_tokens != 1]
+        others = [i for i, s in enumerate(scheduled) if s.num_new_tokens != 1]
+        if self.lora is not None:
+            adapter = lambda i: scheduled[i].request.sampling_params.lora_name or ""  # noqa: E731
+            order, others = sorted(order, key=adapter), sorted(others, key=adapter)
+        order += others
         scheduled_in_order = [scheduled[i] for i in order]
         num_new = np.fromiter((s.num_new_tokens for s in scheduled_in_order), dtype=np.int64, count=num_seqs)
         num_computed = np.fromiter((s.num_computed_tokens for s in scheduled_in_order), dtype=np.int64,
@@ -226,6 +241,9 @@ class ModelRunner:
                 sample_indices.extend([order[i]] * num_rows)
 
         self._row_starts = {order[i]: int(query_start_loc[i]) for i in range(num_seqs)}  # for prompt logprobs
+        if self.lora is not None:
+            self._row_adapters = [name for item, count in zip(scheduled_in_order, num_new.tolist(), strict=True)
+                                  for name in [item.request.sampling_params.lora_name] * count]
         seq_of_token = np.repeat(np.arange(num_seqs), num_new)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - num_computed, num_new)
         slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
@@ -251,7 +269,13 @@ class ModelRunner:
         start = time.perf_counter()
         input_ids, positions, metadata, sample_rows, sample_indices = self.prepare(scheduled)
         prepared = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden_size]
+        if self.lora is not None:
+            self.lora_hook.step = self.lora.step_for(self._row_adapters)
+        try:
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden_size]
+        finally:
+            if self.lora is not None:
+                self.lora_hook.step = None
         if self.device.type == "cuda" and timings is not None:
             torch.cuda.synchronize(self.device)
         forwarded = time.perf_counter()

@@ -95,6 +95,14 @@ class EngineStats:
     kv_transfer_received_bytes: int = 0
     kv_transfer_fallbacks: int = 0
     kv_transfer_pull_seconds: list[float] = field(default_factory=list)  # pulls finished since the last stats()
+    # LoRA adapters (backend/lora/manager.py):
+    lora_loads: int = 0  # adapters loaded from their folders (cumulative)
+    lora_load_seconds: list[float] = field(default_factory=list)  # loads since the last stats()
+    lora_requests: dict[str, int] = field(default_factory=dict)  # adapter -> requests added (cumulative)
+    lora_loaded: int = 0  # adapters in memory now
+    lora_running: list[str] = field(default_factory=list)  # adapters of running requests now
+    lora_waiting: list[str] = field(default_factory=list)  # adapters of waiting requests now
+    lora_max: int = 0  # max_loras
     # Speculative decoding (backend/spec_decode/speculator.py: SpecDecodeStats), cumulative:
     spec_decode_num_draft_tokens: int = 0  # proposals verified
     spec_decode_num_accepted_tokens: int = 0

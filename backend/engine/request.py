@@ -94,6 +94,7 @@ class SamplingParams:
     early_stopping: bool | str = False  # beam search: True, False or "never", as transformers
     num_speculative_tokens: int | None = None  # speculative decoding: at most this many per step; 0: off; None: config's
     user: str = ""  # the client that sent it (OpenAI's user): the key of per-client limits; "": the shared key
+    lora_name: str | None = None  # the LoRA adapter (backend/lora), checked against the model's at the door
     kv_transfer_params: KVTransferParams | None = None  # disaggregated serving (backend/kv_transfer/params.py)
 
     def validate(self) -> None:
@@ -220,6 +221,9 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None  # set by the engine when it accepts the request
     generator: torch.Generator | None = None  # of a seeded request, made by the sampler on first use
     block_hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks (tokens never change)
+    # What the first block chains to: None for the base model; a LoRA adapter's own root
+    # (backend/lora/manager.py), so no cached block is shared across adapters.
+    block_hash_root: BlockHash | None = None
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache (0 again after a free)
     grammar: RequestGrammar | None = None  # of a constrained request (backend/structured_output)
     # With prompt_logprobs: entry i is log P(prompt token i + 1 | prompt tokens 0..i), filled chunk by chunk.
@@ -270,6 +274,7 @@ class Request:
         prompt, tokens and timings; the scheduler shares its KV blocks (``Scheduler.add_forked``)."""
         child = Request(request_id, list(self.prompt_token_ids), sampling_params, eos_token_id=self.eos_token_id,
                         arrival_time=self.arrival_time)
+        child.block_hash_root = self.block_hash_root
         child.all_token_ids = list(self.all_token_ids)
         child.first_scheduled_time, child.num_cached_tokens = self.first_scheduled_time, self.num_cached_tokens
         return child

@@ -105,6 +105,7 @@ class Scheduler:
         self.num_preemptions = 0  # total since start
         self.priority_policy = scheduler_config.scheduling_policy == "priority"
         self.is_held = is_held or (lambda request: False)
+        self.max_loras = 0  # distinct LoRA adapters in the running batch at most (0: no adapters, no limit)
 
     # ----- queue state --------------------------------------------------------------------------
     @property
@@ -354,6 +355,8 @@ class Scheduler:
                     break
                 token_budget += freed
                 continue
+            if self._adapter_waits(request):  # its adapter would be one too many: it waits its turn, and
+                break  # nobody behind it goes first (FCFS), so it cannot starve
             assert request.num_computed_tokens == 0, "waiting requests have no KV"
             if kv.restore_in_flight(request):
                 stepped_over.append(self.waiting.popleft())
@@ -388,6 +391,15 @@ class Scheduler:
             self._preempt_an_idle_request(output)  # a waiting request could run but has no room
         self.waiting.extendleft(reversed(stepped_over))
         return token_budget
+
+    def _adapter_waits(self, request: Request) -> bool:
+        """Whether admitting ``request`` would put more than ``max_loras`` distinct LoRA adapters in
+        the running batch."""
+        name = request.sampling_params.lora_name
+        if name is None or not self.max_loras:
+            return False
+        running = {r.sampling_params.lora_name for r in self.running} - {None}
+        return name not in running and len(running) >= self.max_loras
 
     def _allocate(self, request: Request, num_new_tokens: int, computed_blocks=()) -> bool:
         """``allocate_slots``; when the pool is short, blocks a prefill engine keeps for pulls are

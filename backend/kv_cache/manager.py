@@ -85,7 +85,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         token_ids, size = request.all_token_ids, self.block_size
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else request.block_hash_root
             hashes.append(hash_block_tokens(parent, token_ids[i * size : (i + 1) * size]))
         return hashes
 
@@ -108,7 +108,7 @@ class KVCacheManager:
         blocks: list[KVCacheBlock] = []
         for i in range(max_num_blocks):
             block = self.block_pool.get_cached_block(
-                hashes[i - 1] if i else None, token_ids[i * size : (i + 1) * size], hashes[i]
+                hashes[i - 1] if i else request.block_hash_root, token_ids[i * size : (i + 1) * size], hashes[i]
             )
             if block is None:
                 break
@@ -184,7 +184,8 @@ class KVCacheManager:
     def _expected(self, request: Request, first: int, end: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
         """(hash, parent hash, tokens) of the request's blocks first..end-1: what a load must match."""
         hashes, token_ids, size = self.block_hashes(request, end), request.all_token_ids, self.block_size
-        return [(hashes[i], hashes[i - 1] if i else None, tuple(token_ids[i * size:(i + 1) * size]))
+        root = request.block_hash_root
+        return [(hashes[i], hashes[i - 1] if i else root, tuple(token_ids[i * size:(i + 1) * size]))
                 for i in range(first, end)]
 
     def _uncount_lookup(self, request: Request, num_hit_blocks: int) -> None:
@@ -325,7 +326,7 @@ class KVCacheManager:
             if i and req_blocks[i - 1].block_hash != hashes[i - 1]:
                 continue
             self.block_pool.cache_full_block(
-                block, hashes[i - 1] if i else None, token_ids[i * size : (i + 1) * size], hashes[i]
+                block, hashes[i - 1] if i else request.block_hash_root, token_ids[i * size : (i + 1) * size], hashes[i]
             )
         request.num_cached_blocks = num_full
 

@@ -58,6 +58,7 @@ class _Pin:
     block_hashes: list[int]
     token_ids: list[list[int]]
     deadline: float  # monotonic
+    root: int | None = None  # what the first block chains to (a LoRA adapter's root, or None)
     reading: bool = False  # the server thread is reading its blocks
 
 
@@ -125,7 +126,7 @@ class KVTransferServer:
         token = secrets.token_urlsafe(32)
         pin = _Pin(request.request_id, kept, list(block_hashes[:num_full]),
                    [request.prompt_token_ids[i * size:(i + 1) * size] for i in range(num_full)],
-                   time.monotonic() + self.timeout_seconds)
+                   time.monotonic() + self.timeout_seconds, request.block_hash_root)
         with self._lock:
             self._pins[token] = pin
             overflow = len(self._pins) - MAX_PINNED_REQUESTS
@@ -252,7 +253,7 @@ class KVTransferServer:
         header = PullHeader(
             engine_id=self.engine_id, dtype=self.dtype_name, num_layers=len(self.kv_caches),
             block_shape=self.block_shape, first_block=first, block_hashes=pin.block_hashes[first:first + count],
-            parent_hash=pin.block_hashes[first - 1] if first else None, token_ids=pin.token_ids[first:first + count])
+            parent_hash=pin.block_hashes[first - 1] if first else pin.root, token_ids=pin.token_ids[first:first + count])
         frames = [identity, msgspec.msgpack.encode(header)]
         if count:
             index = torch.tensor([b.block_id for b in chosen], dtype=torch.int64, device=self.kv_caches[0][0].device)

@@ -73,9 +73,12 @@ def _probe(dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that runs on a prepacked weight once :meth:`prepack` succeeded."""
+    """nn.Linear that runs on a prepacked weight once :meth:`prepack` succeeded, and adds the
+    running step's LoRA deltas to their rows when it is an adapted projection (``lora_hook``)."""
 
     packed_weight: torch.Tensor | None = None
+    lora_hook = None  # backend/lora/step.py LoRAHook, shared by the model's projections
+    lora_key: tuple[int, str] | None = None  # (layer, fused projection name)
 
     def prepack(self) -> bool:
         self.packed_weight = prepack_weight(self.weight)
@@ -83,5 +86,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            out = packed_linear(x, self.packed_weight, self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        hook = self.lora_hook
+        if hook is not None and hook.step is not None:
+            hook.step.apply(self.lora_key, x, out)
+        return out

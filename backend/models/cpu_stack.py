@@ -104,23 +104,33 @@ class CpuDecoderStack:
         forward = self.attn_backend.forward
         v_start = self.q_size + self.kv_size
         hidden_out = None  # the previous layer's MLP output, added to the residual by the next norm
-        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
+        hook = self.model.lora_hook
+        lora = hook.step if hook is not None else None  # this step's LoRA adapters (backend/lora/step.py)
+        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if hidden_out is None:  # first layer: the residual is the embedding itself
                 rms_norm(dtype_code, p_residual, None, layer.input_norm_weight, p_normed, num_tokens, hidden_size, eps)
             else:  # residual += hidden_out, normed = norm(residual)
                 rms_norm(dtype_code, hidden_out.data_ptr(), p_residual, layer.input_norm_weight, p_normed, num_tokens,
                          hidden_size, eps)
             qkv = packed_linear(normed, *layer.qkv)  # [num_tokens, q_size + 2 * kv_size]
+            if lora is not None:
+                lora.apply((index, "qkv_proj"), normed, qkv)
             rope_cache(dtype_code, qkv.data_ptr(), p_positions, p_cos_sin, p_q, p_k, key_cache.data_ptr(),
                        value_cache.data_ptr(), p_slots, num_tokens, self.num_heads, self.num_kv_heads, self.head_size)
             v = qkv[:, v_start:].view(num_tokens, self.num_kv_heads, self.head_size)
             attn = forward(q, k, v, key_cache, value_cache, metadata, self.scale, cache_written=True)
             attn_out = packed_linear(attn.view(num_tokens, self.q_size), *layer.o)
+            if lora is not None:
+                lora.apply((index, "o_proj"), attn.view(num_tokens, self.q_size), attn_out)
             rms_norm(dtype_code, attn_out.data_ptr(), p_residual, layer.post_norm_weight, p_normed, num_tokens,
                      hidden_size, eps)
             gate_up = packed_linear(normed, *layer.gate_up)
+            if lora is not None:
+                lora.apply((index, "gate_up_proj"), normed, gate_up)
             silu_mul(dtype_code, gate_up.data_ptr(), p_act, num_tokens, self.intermediate_size)
             hidden_out = packed_linear(act, *layer.down)
+            if lora is not None:
+                lora.apply((index, "down_proj"), act, hidden_out)
         out = new(num_tokens, hidden_size)
         rms_norm(dtype_code, hidden_out.data_ptr(), p_residual, self.final_norm_weight, out.data_ptr(), num_tokens,
                  hidden_size, eps)

@@ -173,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary() once the device is known
         self.logits_packed: torch.Tensor | None = None  # tied lm_head, oneDNN-packed (CPU), see prepack_for_cpu
         self.cpu_stack = None  # the decoder layers as one loop over the CPU kernels (cpu_stack.py), see use_cpu_kernels
+        self.lora_hook = None  # the running step's LoRA adapters (backend/lora/step.py), see attach_lora
 
     def init_rotary(self, dtype: torch.dtype, device: torch.device, initial_len: int = 4096) -> None:
         """Builds the cos/sin cache (derived state, never in a checkpoint)."""
@@ -192,6 +193,14 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:  # tied: pack the embedding matrix once more for the logits GEMM
             self.logits_packed = prepack_weight(self.model.embed_tokens.weight)
         return True
+
+    def attach_lora(self, hook) -> None:
+        """Every adapted projection adds ``hook.step``'s LoRA deltas (backend/lora/step.py)."""
+        self.lora_hook = hook
+        for index, layer in enumerate(self.model.layers):
+            for name, linear in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                                 ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+                linear.lora_hook, linear.lora_key = hook, (index, name)
 
     def use_cpu_kernels(self, kernels) -> int:
         """Runs every RMSNorm, SiLU x up and rotary embedding + cache write through the fused CPU

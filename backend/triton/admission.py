@@ -60,6 +60,9 @@ class RequestAdmission:
             parsed = parse_request(input_getter(pb, request), self.default_max_tokens,
                                    self.inputs.check_sampling_params, self.max_prompt_bytes)
             self.priorities.apply(parsed.sampling_params)
+            if parsed.lora_task_id is not None:  # TensorRT-LLM's way of naming the adapter
+                parsed.sampling_params.lora_name = self.inputs.resolve_lora(parsed.sampling_params.lora_name,
+                                                                            parsed.lora_task_id)
             prompt, add_special_tokens = parsed.prompt, True
             if parsed.messages is not None:
                 prompt, add_special_tokens = self.inputs.render_chat(parsed.messages), False

@@ -52,7 +52,20 @@ def start_engine(engine: EngineClient, model_name: str, config: EngineConfig) ->
         except CoreStartError as exc:
             raise ConfigError(f"model '{model_name}': {exc}") from None
         return InputProcessor(tokenizer.result(), ready.vocab_size, ready.max_model_len, config.structured_output,
-                              config.kv_transfer)
+                              config.kv_transfer, lora_registry(config))
+
+
+def lora_registry(config: EngineConfig):
+    """The adapters the model serves (backend/lora/registry.py), None without enable_lora; a bad
+    multi_lora.json fails the model's load naming it."""
+    if not config.lora.enable_lora:
+        return None
+    from backend.lora.registry import LoRAConfigError, read_registry  # noqa: PLC0415
+
+    try:
+        return read_registry(config.lora.lora_adapters)
+    except LoRAConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class EngineModel(abc.ABC):

@@ -53,6 +53,7 @@ class ParsedRequest:
     messages: list[dict[str, str]] | None = None  # chat messages, to render with the chat template
     returns: ReturnOptions = ReturnOptions()
     stream_interval: int | None = None  # sampling_parameters.stream_interval (None: the model's default)
+    lora_task_id: int | None = None  # TensorRT-LLM's lora_task_id input: an adapter by its id
 
 
 # Keys accepted in the `sampling_parameters` JSON object: vLLM's names, which are SamplingParams fields.
@@ -239,13 +240,15 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, check: Callable
         values["logprobs"] = True
 
     values.setdefault("max_tokens", default_max_tokens)
+    task_id = scalar(get_input, "lora_task_id")
+    task_id = None if task_id is None else _as_int("lora_task_id", task_id)
     params = SamplingParams(**values)
     try:
         check(params)
     except ValueError as exc:  # EngineInputError or SamplingParamsError: the message names the field
         raise InputError(str(exc)) from None
     return ParsedRequest(prompt, params, bool(options["stream"]), bool(options["exclude_input_in_output"]),
-                         messages, returns, options.get("stream_interval"))
+                         messages, returns, options.get("stream_interval"), task_id)
 
 
 def _prompt_or_messages(get_input: GetInput, max_prompt_bytes: int | None) -> tuple[str | None, list | None]:
@@ -324,9 +327,10 @@ def _parse_sampling_json(text: str, options: dict[str, object]) -> dict[str, obj
             options[key] = _stream_interval(where, value)
         elif key in FIXED_KEYS:
             _check_fixed(where, key, value)
-        elif key == "lora_name":
-            if value not in (None, ""):
-                raise InputError(f"{where}: LoRA adapters are not supported by this model")
+        elif key == "lora_name":  # vllm_backend's key; checked against the model's adapters
+            if value is not None and not isinstance(value, str):
+                raise InputError(f"{where}: expected an adapter name (a string)")
+            values["lora_name"] = value or None
         elif key == "structured_outputs" or key in LEGACY_KEYS:
             _set_constraint(values, key, value, where)
         elif key == "kv_transfer_params":  # disaggregated serving (backend/kv_transfer/params.py)

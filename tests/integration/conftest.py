@@ -50,6 +50,20 @@ def stop_and_show_log(server) -> None:
     print(f"--- tritonserver {'was running' if alive else f'had exited with {code}'}; the end of its log:\n{tail}")
 
 
+def serve_replicas(cluster):
+    """Yields ``cluster`` (backend/server/replicas.py: Replicas) started; always stopped after, and
+    on a failure the router's and the replicas' log tails are printed."""
+    try:
+        cluster.start()
+        yield cluster
+    except BaseException:
+        for index in (None, *range(len(cluster.ports))):
+            print(f"--- {cluster.log_path(index)}:\n{cluster.log_tail(index)}")
+        raise
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture(scope="session")
 def triton_server(demo_model_dir):
     server = start_server(MODEL_REPOSITORY, ready_timeout=300)

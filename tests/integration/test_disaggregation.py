@@ -28,6 +28,7 @@ import tritonclient.grpc as grpcclient
 
 from backend.models.demo_model import DEMO_REPOSITORY
 from backend.server.replicas import Replicas
+from tests.integration.conftest import serve_replicas
 from tests.integration.test_llm_model import metric, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -85,15 +86,7 @@ def counter(replicas: Replicas, index: int, name: str) -> float:
 def replicas(demo_model_dir):
     cluster = Replicas(policy="round_robin", model_repository=DEMO_REPOSITORY, overrides=OVERRIDES,
                        num_prefill=1, num_decode=1)
-    try:
-        cluster.start()
-        yield cluster
-    except BaseException:
-        for index in (None, 0, 1):
-            print(f"--- {cluster.log_path(index)}:\n{cluster.log_tail(index)}")
-        raise
-    finally:
-        cluster.stop()
+    yield from serve_replicas(cluster)
 
 
 def wait_until(condition, timeout: float, what: str) -> None:

@@ -25,6 +25,7 @@ import pytest
 
 from backend.models.demo_model import DEMO_REPOSITORY
 from backend.server.replicas import HEALTH_CHECK_INTERVAL_SECONDS, Replicas
+from tests.integration.conftest import serve_replicas
 from tests.integration.test_llm_model import metric, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -90,15 +91,7 @@ def routed(replicas: Replicas, log: DecisionLog, text: str) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def replicas(demo_model_dir):
     cluster = Replicas(2, "kv_aware", model_repository=DEMO_REPOSITORY, overrides=OVERRIDES, router_log_level="debug")
-    try:
-        cluster.start()
-        yield cluster
-    except BaseException:
-        for index in (None, 0, 1):
-            print(f"--- {cluster.log_path(index)}:\n{cluster.log_tail(index)}")
-        raise
-    finally:
-        cluster.stop()
+    yield from serve_replicas(cluster)
 
 
 def test_a_shared_prefix_goes_to_the_replica_that_holds_it(replicas):

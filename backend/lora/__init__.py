@@ -1,0 +1,1 @@
+"""LoRA adapters served beside the base model in mixed batches (docs/architecture.md, "LoRA adapters")."""
