@@ -278,6 +278,15 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
         if body.get("model") not in (None, *served):
             raise bad_request("model", f"model: {body.get('model')!r} is not served here", "model_not_found")
 
+    async def served_models(bridge: TritonBridge) -> tuple[str, ...]:
+        """The model and its LoRA adapters: each adapter is a model a request names in ``model``."""
+        return (*served, *await bridge.lora_adapters())
+
+    def choose_adapter(parsed: GenerationRequest) -> None:
+        """A request for an adapter's name runs the base model with that adapter (vLLM's way)."""
+        if parsed.model not in served:
+            parsed.sampling["lora_name"] = parsed.model
+
     def with_chat_param(error: ApiError, chat: bool) -> ApiError:
         if chat and error.param == "prompt":
             error.param = "messages"
@@ -287,7 +296,9 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
         arrived = time.monotonic()
         try:
             body = without_router_fields(await read_json(request))
-            parsed = (parse_chat if chat else parse_completion)(body, settings.limits, served)
+            parsed = (parse_chat if chat else parse_completion)(body, settings.limits,
+                                                                await served_models(request.app.state.bridge))
+            choose_adapter(parsed)
             client = client_of(request, parsed)
             if client:
                 parsed.sampling["user"] = client  # the `llm` model's per-client cap counts it too
@@ -368,8 +379,9 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
         generating: one entry per prompt (openai_front/render.py)."""
         try:
             body = without_router_fields(await read_json(request))
-            parsed = (parse_chat if chat else parse_completion)(body, settings.limits, served)
             bridge = request.app.state.bridge
+            parsed = (parse_chat if chat else parse_completion)(body, settings.limits, await served_models(bridge))
+            choose_adapter(parsed)
             prompts = ([bridge.render_chat_ids(parsed.messages)] if chat else
                        [bridge.tokenize(prompt) for prompt in parsed.prompts])
             default_max_tokens, *prompt_ids = await asyncio.gather(bridge.default_max_tokens(), *prompts)
@@ -399,9 +411,12 @@ def create_app(settings: FrontSettings, bridge: TritonBridge | None = None) -> F
 
     @app.get("/v1/models")
     async def models(request: Request):
-        max_len = await request.app.state.bridge.max_model_len()
+        bridge = request.app.state.bridge
+        max_len = await bridge.max_model_len()
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "triton-llm-serving", "root": name,
                  "max_model_len": max_len} for name in served]
+        data += [{"id": name, "object": "model", "created": 0, "owned_by": "triton-llm-serving", "root": name,
+                  "parent": settings.model, "max_model_len": max_len} for name in await bridge.lora_adapters()]
         return {"object": "list", "data": data}
 
     @app.get("/health")

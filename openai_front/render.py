@@ -47,6 +47,7 @@ def generate_request(request_id: str, token_ids: list[int], parsed: GenerationRe
     sampling = dict(parsed.sampling)
     priority = sampling.pop("priority", 0)  # request fields in vLLM, not sampling parameters
     kv_transfer_params = sampling.pop("kv_transfer_params", None)
+    sampling.pop("lora_name", None)  # the adapter is the request's model (vLLM names it there)
     sampling.setdefault("max_tokens", default_max_tokens)
     return {"request_id": request_id, "token_ids": token_ids, "token_offsets": None, "features": None,
             "content_parts": None, "sampling_params": sampling, "model": parsed.model, "reasoning_ended": None,

@@ -98,6 +98,8 @@ class TritonBridge:
         self.client = grpcclient_aio.InferenceServerClient(url)
         self._parameters: dict = {}
         self._parameters_read_at = float("-inf")
+        self._adapters: tuple[str, ...] = ()
+        self._adapters_read_at = float("-inf")
 
     async def close(self) -> None:
         await self.client.close()
@@ -119,6 +121,11 @@ class TritonBridge:
 
     async def _int_parameter(self, name: str) -> int | None:
         """A config.pbtxt parameter of the model as an integer (None when absent or unreadable)."""
+        value = await self._parameter(name)
+        return int(value) if value and value.isdigit() else None
+
+    async def _parameter(self, name: str) -> str | None:
+        """A config.pbtxt parameter of the model (read at most once per CONFIG_TTL_SECONDS)."""
         if time.monotonic() - self._parameters_read_at > CONFIG_TTL_SECONDS:
             try:
                 config = await self.client.get_model_config(self.model, as_json=True)
@@ -126,8 +133,30 @@ class TritonBridge:
                 return None
             self._parameters = config.get("config", {}).get("parameters", {})
             self._parameters_read_at = time.monotonic()
-        value = self._parameters.get(name, {}).get("string_value")
-        return int(value) if value and value.isdigit() else None
+        return self._parameters.get(name, {}).get("string_value")
+
+    async def lora_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters the model serves (it answers ``list_lora_adapters``), read at most once
+        per CONFIG_TTL_SECONDS; () without enable_lora or when it cannot say."""
+        if (await self._parameter("enable_lora") or "").lower() != "true":
+            return ()
+        if time.monotonic() - self._adapters_read_at > CONFIG_TTL_SECONDS:
+            request = {"model_name": self.model, "inputs": [_tensor("list_lora_adapters", np.array([[True]]))],
+                       "outputs": [InferRequestedOutput("text_output")]}
+
+            async def requests():
+                yield request
+
+            try:
+                async for result, error in self.client.stream_infer(requests()):
+                    if error is None:
+                        text = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8")
+                        self._adapters = tuple(entry["name"] for entry in json.loads(text))
+                    break
+            except (InferenceServerException, ValueError, KeyError, TypeError):
+                return self._adapters
+            self._adapters_read_at = time.monotonic()
+        return self._adapters
 
     async def generate(self, prompt: str | None, messages: list | None, sampling: dict, echo: bool = False,
                        logprobs: bool = False, request_id: str = "") -> AsyncIterator[Piece]:

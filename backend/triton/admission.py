@@ -12,6 +12,7 @@ can produce anything for it: from then on only whoever took it there answers it.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 
@@ -20,8 +21,8 @@ from backend.engine_core.admission import BusyError
 from backend.engine_core.engine_client import EngineClient
 from backend.engine_core.messages import AddRequest
 from backend.triton.client_priority import DEFAULT_PRIORITY_RANGE, ClientPriorityRange
-from backend.triton.helpers import input_getter, requested_outputs, send_error
-from backend.triton.inputs import InputError, parse_request
+from backend.triton.helpers import build_response, input_getter, requested_outputs, send_error
+from backend.triton.inputs import InputError, as_bool, parse_request, scalar
 from backend.triton.response_state import ResponseState
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,12 @@ class RequestAdmission:
 
     def _admit(self, request, sender, request_id: str, arrival_time: float, on_accept: OnAccept) -> ResponseState | None:
         pb = self.pb
+        get_input = input_getter(pb, request)
+        if get_input("list_lora_adapters") is not None:  # a question, not a generation
+            self._answer_adapters(sender, get_input)
+            return None
         try:
-            parsed = parse_request(input_getter(pb, request), self.default_max_tokens,
+            parsed = parse_request(get_input, self.default_max_tokens,
                                    self.inputs.check_sampling_params, self.max_prompt_bytes)
             self.priorities.apply(parsed.sampling_params)
             if parsed.lora_task_id is not None:  # TensorRT-LLM's way of naming the adapter
@@ -83,3 +88,17 @@ class RequestAdmission:
             send_error(pb, sender, str(exc), pb.TritonError.UNAVAILABLE)
             return None
         return state
+
+    def _answer_adapters(self, sender, get_input) -> None:
+        """``list_lora_adapters``: the adapters this model serves, as JSON in ``text_output``
+        ([{"name", "task_id"}], [] without enable_lora): how the OpenAI front lists them as models."""
+        pb = self.pb
+        try:
+            if not as_bool("list_lora_adapters", scalar(get_input, "list_lora_adapters")):
+                raise InputError("list_lora_adapters: send true to ask which adapters this model serves")
+        except InputError as exc:
+            send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)
+            return
+        registry = self.inputs.lora
+        entries = [] if registry is None else [{"name": e.name, "task_id": e.task_id} for e in registry.by_name.values()]
+        sender.send(build_response(pb, json.dumps(entries), [], "stop"), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -8,12 +8,17 @@ TensorRT-LLM expose the TensorRT-LLM backend's. Both are set from the same engin
 - vLLM: ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``
   (a fraction, 1 = full, as vLLM's) with label ``model_name``, and ``vllm:cache_config_info`` (value 1)
   whose labels ``block_size`` and ``num_gpu_blocks`` describe the KV pool;
+- with LoRA adapters, vLLM's ``vllm:lora_requests_info`` (value: the time it was set, as vLLM's)
+  whose labels ``running_lora_adapters`` and ``waiting_lora_adapters`` (comma-separated) and
+  ``max_lora`` say which adapters are in use: the adapter-locality signal of LoRA-aware routers;
 - TensorRT-LLM: ``nv_trt_llm_request_metrics{request_type="waiting"|"scheduled"|"active"|"max"}``
   and ``nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max"|"used"|"free"|"tokens_per"|"fraction"}``,
   labelled ``model`` and ``version``.
 """
 
 from __future__ import annotations
+
+import time
 
 from backend.engine.outputs import EngineStats
 
@@ -36,8 +41,12 @@ class LoadMetrics:
                    kind=gauge),
             family(name="nv_trt_llm_kv_cache_block_metrics", description="KV-cache blocks (TensorRT-LLM's names)",
                    kind=gauge),
+            family(name="vllm:lora_requests_info", description="Running and waiting LoRA adapters (vLLM's)",
+                   kind=gauge),
         ]
-        waiting, running, usage, self._info_family, requests, blocks = self._families
+        waiting, running, usage, self._info_family, requests, blocks, self._lora_family = self._families
+        self._lora_info: dict[tuple[str, str], object] = {}  # (running, waiting) -> its metric
+        self._lora_last: tuple[str, str] | None = None
         vllm_labels = {"model_name": model_name}
         self.waiting, self.running, self.usage = (f.Metric(labels=vllm_labels) for f in (waiting, running, usage))
         self._vllm_labels = vllm_labels
@@ -64,12 +73,28 @@ class LoadMetrics:
             if self._sent.get(id(metric)) != value:
                 self._sent[id(metric)] = value
                 metric.set(value)
+        if stats.lora_max:
+            self._update_lora(stats)
         if self._info is None and stats.num_kv_blocks:
             self._info = self._info_family.Metric(labels=dict(
                 self._vllm_labels, block_size=str(self._block_size), num_gpu_blocks=str(stats.num_kv_blocks)))
             self._info.set(1)
 
+    def _update_lora(self, stats: EngineStats) -> None:
+        """A new ``vllm:lora_requests_info`` sample when the running or waiting adapters changed."""
+        key = (",".join(stats.lora_running), ",".join(stats.lora_waiting))
+        if key == self._lora_last:
+            return
+        self._lora_last = key
+        metric = self._lora_info.get(key)
+        if metric is None:
+            metric = self._lora_info[key] = self._lora_family.Metric(labels=dict(
+                self._vllm_labels, running_lora_adapters=key[0], waiting_lora_adapters=key[1],
+                max_lora=str(stats.lora_max)))
+        metric.set(time.time())
+
     def close(self) -> None:
+        self._lora_info.clear()
         self.requests.clear()
         self.blocks.clear()
         self._families.clear()

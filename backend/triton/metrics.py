@@ -96,6 +96,7 @@ CUMULATIVE_COUNTERS = (
      "Decode engine: KV bytes pulled from prefill engines"),
     ("kv_transfer_fallbacks", "llm_kv_transfer_fallbacks_total",
      "Decode engine: pulls that failed or came short, so the prompt (or its rest) was recomputed here"),
+    ("lora_loads", "llm_lora_loads_total", "LoRA adapters loaded from their folders"),
 )
 OFFLOAD_LOAD_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
@@ -183,6 +184,13 @@ class TritonMetrics:
                                      OFFLOAD_LOAD_BUCKETS)
         _, self.transfer_pinned = make("llm_kv_transfer_pinned_blocks",
                                        "Prefill engine: KV blocks kept for decode engines' pulls", G)
+        _, self.lora_load = make("llm_lora_load_seconds", "Loading one LoRA adapter from its folder", H,
+                                 OFFLOAD_LOAD_BUCKETS)
+        _, self.lora_loaded = make("llm_lora_loaded_adapters", "LoRA adapters in memory", G)
+        self._lora_requests_family = family(name="llm_lora_requests_total",
+                                            description="Requests added, by LoRA adapter", kind=C)
+        self._families.append(self._lora_requests_family)
+        self.lora_requests: dict[str, object] = {}  # adapter -> its counter, made on first sight
         _, self.spec_draft = make("llm_spec_decode_num_draft_tokens_total", "Speculative tokens proposed and verified", C)
         _, self.spec_accepted = make("llm_spec_decode_num_accepted_tokens_total",
                                      "Speculative tokens the target model accepted", C)
@@ -251,9 +259,24 @@ class TritonMetrics:
         if last is None or stats.kv_transfer_pinned_blocks != last.kv_transfer_pinned_blocks:
             self.transfer_pinned.set(stats.kv_transfer_pinned_blocks)
         self._update_spec_decode(stats, last)
+        self._update_lora(stats, last)
         if self.load is not None:
             self.load.update(stats)
         self._last_stats = stats
+
+    def _update_lora(self, stats: EngineStats, last: EngineStats | None) -> None:
+        for seconds in stats.lora_load_seconds:
+            self.lora_load.observe(seconds)
+        if last is None or stats.lora_loaded != last.lora_loaded:
+            self.lora_loaded.set(stats.lora_loaded)
+        before = last.lora_requests if last is not None else {}
+        for name, count in stats.lora_requests.items():
+            if count > before.get(name, 0):
+                metric = self.lora_requests.get(name)
+                if metric is None:
+                    metric = self.lora_requests[name] = self._lora_requests_family.Metric(
+                        labels=dict(self._spec_labels, lora_name=name))
+                metric.increment(count - before.get(name, 0))
 
     def _update_spec_decode(self, stats: EngineStats, last: EngineStats | None) -> None:
         if not stats.spec_decode_num_steps:
@@ -281,4 +304,5 @@ class TritonMetrics:
             self.load.close()
         self.success.clear()
         self.spec_accepted_per_position.clear()
+        self.lora_requests.clear()
         self._families.clear()

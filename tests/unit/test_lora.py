@@ -16,6 +16,7 @@ import json
 import random
 import shutil
 
+import peft
 import pytest
 import torch
 
@@ -25,17 +26,10 @@ from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
 from backend.lora.registry import LoRAConfigError, read_registry
 from backend.models.demo_model import DEMO_REPOSITORY
-
-peft = pytest.importorskip("peft")  # a pinned dev dependency: present wherever `make setup` ran
+from tests.lora_adapters import ADAPTERS, make_adapters
 
 MAX_TOKENS = 10
 NEAR_TIE = 1e-3  # a top-2 logit gap this small may flip with summation order (test_real_model_parity.py)
-ADAPTERS = {  # name -> (rank, target modules, rsLoRA)
-    "qv8": (8, ["q_proj", "v_proj"], False),
-    "all16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
-    "mlp8rs": (8, ["gate_proj", "up_proj", "down_proj"], True),
-    "ok4": (4, ["o_proj", "k_proj"], False),
-}
 rng = random.Random(34)
 PROMPTS = [[rng.randrange(10, 8000) for _ in range(n)] for n in (5, 37, 130)]
 
@@ -43,19 +37,7 @@ PROMPTS = [[rng.randrange(10, 8000) for _ in range(n)] for n in (5, 37, 130)]
 @pytest.fixture(scope="module")
 def adapters(demo_model_dir, tmp_path_factory) -> str:
     """The adapters' folders and their multi_lora.json; returns the json's path."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
-
-    root = tmp_path_factory.mktemp("loras")
-    for index, (name, (rank, targets, rslora)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(index)
-        base = AutoModelForCausalLM.from_pretrained(str(demo_model_dir), dtype=torch.float32)
-        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
-                                 use_rslora=rslora)
-        peft.get_peft_model(base, config).save_pretrained(str(root / name))
-    table = {name: name for name in ADAPTERS}
-    table["ok4"] = {"path": "ok4", "task_id": 44}
-    (root / "multi_lora.json").write_text(json.dumps(table))
-    return str(root / "multi_lora.json")
+    return str(make_adapters(str(demo_model_dir), tmp_path_factory.mktemp("loras")))
 
 
 @functools.cache

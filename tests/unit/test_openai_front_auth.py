@@ -30,6 +30,9 @@ class SlowBridge:
     async def ready(self):
         return True
 
+    async def lora_adapters(self):
+        return ()
+
     async def max_model_len(self):
         return 2048
 

@@ -39,6 +39,9 @@ class RenderBridge:
     async def default_max_tokens(self):
         return 128
 
+    async def lora_adapters(self):
+        return ()
+
     async def max_model_len(self):
         return 2048
 

@@ -51,6 +51,8 @@ STUB_MODULES = (
     "backend.engine.tokenizer",
     "backend.engine.outputs",
     "backend.engine.request",
+    "backend.lora.registry",
+    "backend.kv_transfer.params",
     "backend.config",
 )
 # Imported inside functions of the modules above, and fine there: the stub's own module, and what
