@@ -87,6 +87,11 @@ class ReplicaPorts:
         return f"tcp://127.0.0.1:{self.transfer}"
 
 
+# A prefill replica has no decoding streams to keep smooth: larger steps prefill faster (fewer of
+# them; perf/RESULTS.md "Disaggregated prefill and decode"). Overrides given for every replica win.
+PREFILL_DEFAULTS = {"max_num_batched_tokens": "2048"}
+
+
 def role_parameters(role: str, ports: ReplicaPorts, prefill_ports: list[ReplicaPorts]) -> dict[str, str]:
     """`llm`'s disaggregation parameters for a replica of ``role``: a prefill replica serves its
     blocks on its transfer port; a decode replica may pull from every prefill replica's, and only those."""
@@ -227,7 +232,8 @@ class Replicas:
         if running is not None and running.poll() is None:
             raise ReplicaError(f"replica {index} is already running (pid {running.pid}); stop it first")
         prefill_ports = [p for p, role in zip(self.ports, self.roles, strict=True) if role == "prefill"]
-        overrides = {**self.overrides, **role_parameters(self.roles[index], ports, prefill_ports)}
+        defaults = PREFILL_DEFAULTS if self.roles[index] == "prefill" else {}
+        overrides = {**defaults, **self.overrides, **role_parameters(self.roles[index], ports, prefill_ports)}
         repository = write_replica_repository(self.source, self.work_dir / f"replica-{index}", ports, overrides)
         command = [sys.executable, "-m", "backend.server.launcher", "--model-repository", str(repository),
                    "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),

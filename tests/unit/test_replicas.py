@@ -100,5 +100,8 @@ def test_disaggregated_replicas_get_their_roles_and_the_router_its_pd_mode():
     assert role_parameters("both", PORTS[0], []) == {}
     replicas = Replicas(policy="round_robin", num_prefill=2, num_decode=1)
     assert replicas.roles == ["prefill", "prefill", "decode"] and len(replicas.ports) == 3
+    from backend.server.replicas import PREFILL_DEFAULTS  # noqa: PLC0415
+
+    assert PREFILL_DEFAULTS == {"max_num_batched_tokens": "2048"}  # a prefill replica takes larger steps
     with pytest.raises(ValueError, match="at least 1 each"):
         Replicas(policy="round_robin", num_prefill=1, num_decode=0)
