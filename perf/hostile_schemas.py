@@ -41,15 +41,15 @@ def gaps(result) -> list[float]:
     return sorted(b - a for a, b in zip(times, times[1:], strict=False))
 
 
-def streams(url: str, timeout: float = 300.0) -> tuple[list[threading.Thread], dict]:
-    """Starts the free and the cached stream; their threads, and the results they fill in."""
+def streams(url: str, timeout: float = 300.0, free_tokens: int = 1200) -> tuple[list[threading.Thread], dict]:
+    """Starts the free (``free_tokens`` long) and the cached stream; their threads, and the results they fill in."""
     results: dict = {}
 
     def run(name: str, **options) -> None:
         with StreamingClient(url) as client:
             results[name] = client.generate("A story:", timeout=timeout, stream=True, **options)
 
-    threads = [threading.Thread(target=run, args=("free",), kwargs={"max_tokens": 1200, "ignore_eos": True}),
+    threads = [threading.Thread(target=run, args=("free",), kwargs={"max_tokens": free_tokens, "ignore_eos": True}),
                threading.Thread(target=run, args=("cached",), kwargs={"max_tokens": 800,
                                                                        "sampling_parameters": CACHED_CONSTRAINT})]
     for thread in threads:

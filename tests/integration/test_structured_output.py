@@ -113,7 +113,9 @@ def test_hostile_schemas_time_out_while_free_and_cached_requests_keep_their_pace
 
     from perf.hostile_schemas import CACHED_CONSTRAINT, slow_schema, streams
 
-    server = make_server({"structured_output_compile_timeout_seconds": "1"})
+    # The free stream must outlast three compiles that may each run into the 3 s wall-clock
+    # backstop on a busy machine: 3,000 tokens (1,200 ended first on a fast one).
+    server = make_server({"structured_output_compile_timeout_seconds": "1", "max_model_len": "4096"})
 
     def median_gap(result) -> float:
         times = result.token_times
@@ -121,10 +123,10 @@ def test_hostile_schemas_time_out_while_free_and_cached_requests_keep_their_pace
 
     with StreamingClient(server.grpc_url) as client:  # compiles the cached constraint once
         assert client.generate("A story:", timeout=60, max_tokens=4, sampling_parameters=CACHED_CONSTRAINT).error is None
-    threads, alone = streams(server.grpc_url, timeout=180)
+    threads, alone = streams(server.grpc_url, timeout=180, free_tokens=3000)
     for thread in threads:
         thread.join(180)
-    threads, during = streams(server.grpc_url, timeout=180)
+    threads, during = streams(server.grpc_url, timeout=180, free_tokens=3000)
     time.sleep(0.5)
     hostile = []
 

@@ -204,3 +204,21 @@ def test_a_missing_table_or_a_draft_model_with_adapters_fails_the_model_load(dem
     with pytest.raises(ConfigError, match="'enable_lora': not with speculative_method draft"):
         engine_config_from_model_folder(str(DEMO_REPOSITORY / "llm"), enable_lora="true",
                                         speculative_method="draft", speculative_model_dir=str(demo_model_dir))
+
+
+def test_speculation_under_adapters_keeps_each_adapters_tokens(adapters):
+    """Proposals (an oracle in the ngram proposer's place: the adapter's own continuation, every
+    third one wrong) are verified by the adapted model: the same greedy tokens as without them."""
+    from tests.unit.test_spec_decode_engine import OracleProposer  # noqa: PLC0415
+
+    requests = [(PROMPTS[index], name) for index, name in enumerate((None, "all16", "qv8"))]
+    plain = engine(adapters)
+    expected = [r.output_token_ids for r in plain.generate([p for p, _ in requests], [params(n) for _, n in requests])]
+    plain.close()
+    speculating = engine(adapters, speculative_method="ngram", speculative_controller="off")
+    speculating.speculator.ngram = OracleProposer({tuple(p): out for (p, _), out in zip(requests, expected, strict=True)})
+    results = speculating.generate([p for p, _ in requests], [params(n) for _, n in requests])
+    assert [r.output_token_ids for r in results] == expected
+    stats = speculating.stats()
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
+    speculating.close()
