@@ -299,17 +299,22 @@ def test_memory_stays_flat_over_2000_requests(make_server):
     burst(400)  # warm-up: allocator pools, tokenizer caches, metric series
     warm = group_rss_mb(pgid)
     burst(2000)
+    middle = group_rss_mb(pgid)
+    burst(2000)
     after = group_rss_mb(pgid)
-    print(f"\nRSS of tritonserver and its stubs: {warm:.0f} MB after warm-up, {after:.0f} MB after 2,000 more "
-          f"requests (+{after - warm:.1f} MB)")
-    assert after - warm < MEMORY_GROWTH_BOUND_MB
+    print(f"\nRSS of tritonserver and its stubs: {warm:.0f} MB after warm-up, {middle:.0f} MB after 2,000 more "
+          f"requests (+{middle - warm:.1f} MB), {after:.0f} MB after 2,000 more (+{after - middle:.1f} MB)")
+    # The second 2,000 requests: allocator pools have grown by then, so what they add is what leaks.
+    assert after - middle < MEMORY_GROWTH_BOUND_MB
     wait_for_gauges_at_baseline(server, 10)
 
 
 # Measured here (demo model, 4-token requests, 20 streams): +13.8 and +39.6 MB over 2,000 requests
 # after a 400-request warm-up; over 5,000 the stub went 873 -> 938 MB (about 13 KB a request, not
 # levelling off yet; glibc keeps freed memory up to the 256 MB trim threshold that
-# model_runner.tune_cpu_allocator sets, so this is not proven a leak). The bound leaves 3x margin.
+# model_runner.tune_cpu_allocator sets, so this is not proven a leak). Later, on a faster machine,
+# the first 2,000 added 70-111 MB (and once 333 MB in CI) while the allocator still grew, so the
+# bound is checked on the second 2,000.
 MEMORY_GROWTH_BOUND_MB = 128
 
 
