@@ -45,7 +45,10 @@ def test_speculative_decoding_streams_the_same_text_in_multi_token_deltas(make_s
     offline = LLMEngine(engine_config_from_model_folder(str(MODEL_REPOSITORY / model)))
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     expected = [offline.generate([p], [params])[0] for p in PROMPTS]
-    server = make_server({**SPECULATION, "speculative_model_dir": str(demo_model_dir)}, models=(model,))
+    # Coalescing off: a response then carries exactly one step's tokens, so runs come from speculation
+    # alone (a lone stream of the tiny demo model still coalesces when the responder falls behind).
+    server = make_server({**SPECULATION, "speculative_model_dir": str(demo_model_dir), "response_coalescing": "false"},
+                         models=(model,))
     with StreamingClient(server.grpc_url, model) as client:
         results = [client.generate(p, max_tokens=24, ignore_eos=True, stream=True, timeout=120) for p in PROMPTS]
         for want, got in zip(expected, results, strict=True):

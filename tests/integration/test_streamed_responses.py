@@ -69,7 +69,8 @@ def test_coalescing_on_and_off_stream_the_same_tokens_and_coalescing_sends_fewer
         for result in (on, off):
             assert result.error is None, (prompt, options, result.error)
             assert result.num_final == 1, (prompt, options)
-        assert on.text == off.text and on.token_ids == off.token_ids, (prompt, options)
+        if not on.sample_texts:  # n > 1: samples' deltas interleave in arrival order, compared per sample
+            assert on.text == off.text and on.token_ids == off.token_ids, (prompt, options)
         assert on.sample_texts == off.sample_texts and on.sample_token_ids == off.sample_token_ids, options
         assert on.finish_reason == off.finish_reason
         assert on.output_log_probs == pytest.approx(off.output_log_probs, abs=1e-4)
