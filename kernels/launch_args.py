@@ -12,11 +12,13 @@ import numpy as np
 
 
 def decode_args(out, tmp_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens,
-                scale: float) -> tuple:
+                scale: float, sliding_window: int = 0) -> tuple:
     """paged_attention_decode: out [num_seqs, num_heads, head_size]; tmp_out [num_seqs, num_heads,
     num_partitions, head_size] and max_logits, exp_sums [num_seqs, num_heads, num_partitions] float32
     (placeholders with one partition); query [num_seqs, num_heads, head_size]; caches [num_blocks,
-    block_size, num_kv_heads, head_size]; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32."""
+    block_size, num_kv_heads, head_size]; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32;
+    sliding_window: each sequence attends its last sliding_window positions (0: all), so the
+    partitions need cover only min(max seq_len, sliding_window) tokens."""
     return (
         out, tmp_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens,
         np.float32(scale),
@@ -28,12 +30,14 @@ def decode_args(out, tmp_out, max_logits, exp_sums, query, key_cache, value_cach
         np.int64(key_cache.stride(0)),
         np.int32(key_cache.stride(1)),
         np.int32(key_cache.stride(2)),
+        np.int32(sliding_window),
     )
 
 
-def reduce_args(out, tmp_out, max_logits, exp_sums, seq_lens, num_partitions: int) -> tuple:
-    """paged_attention_reduce: combines the partitions of decode_args' buffers into ``out``."""
-    return (out, tmp_out, max_logits, exp_sums, seq_lens, np.int32(num_partitions))
+def reduce_args(out, tmp_out, max_logits, exp_sums, seq_lens, num_partitions: int, sliding_window: int = 0) -> tuple:
+    """paged_attention_reduce: combines the partitions of decode_args' buffers into ``out`` (the
+    same sliding_window)."""
+    return (out, tmp_out, max_logits, exp_sums, seq_lens, np.int32(num_partitions), np.int32(sliding_window))
 
 
 def cache_write_args(key, value, key_cache, value_cache, slot_mapping) -> tuple:

@@ -4,9 +4,11 @@
 //   PARTITION_SIZE context tokens; its logits sit in shared memory, so shared memory does not grow
 //   with the context. With one partition (gridDim.z == 1) the block writes the final output; with
 //   more, it writes its softmax-normalised partial output, its max logit and its exp sum, and
-//   paged_attention_reduce combines the partitions.
+//   paged_attention_reduce combines the partitions. With a sliding window W > 0 (0: none) a sequence
+//   attends only its last W positions: its partitions start at position seq_len - W (not at a block
+//   start: the loops go token by token), so nothing before the window is read or masked.
 // paged_attention_reduce: one thread block per (query head, sequence); rescales the partitions'
-//   outputs by exp(max_p - max) * exp_sum_p and divides by the total.
+//   outputs by exp(max_p - max) * exp_sum_p and divides by the total (same sliding window).
 //
 // Cache layout (backend/attention/base.py): [num_blocks, block_size, num_kv_heads, HEAD_SIZE]; the
 // strides are arguments (in elements), the head dimension must be contiguous and 16-byte aligned.
@@ -84,7 +86,8 @@ extern "C" __global__ void paged_attention_decode(
     int query_head_stride,                    // elements between query heads
     long long cache_block_stride,             // elements between cache blocks
     int cache_token_stride,                   // elements between the tokens of a block
-    int cache_head_stride) {                  // elements between kv heads
+    int cache_head_stride,                    // elements between kv heads
+    int sliding_window) {                     // attend the last sliding_window positions; 0: all
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int partition = blockIdx.z;
@@ -98,7 +101,8 @@ extern "C" __global__ void paged_attention_decode(
 
   const long long out_row = (long long)seq * num_heads + head;  // index of this (seq, head) pair
   const int context_len = seq_lens[seq];
-  const int start = partition * PARTITION_SIZE;
+  const int window_start = sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
+  const int start = window_start + partition * PARTITION_SIZE;
   if (start >= context_len) {  // uniform for the whole block: no barrier is skipped by some threads
     if (num_partitions == 1) {  // an empty context (never scheduled, but defined): zeros
       for (int d = tid; d < HEAD_SIZE; d += NUM_THREADS) out[out_row * HEAD_SIZE + d] = from_float<cache_t>(0.f);
@@ -240,13 +244,16 @@ extern "C" __global__ void paged_attention_reduce(
     const float* __restrict__ max_logits,    // [num_seqs, num_heads, max_num_partitions]
     const float* __restrict__ exp_sums,      // [num_seqs, num_heads, max_num_partitions]
     const int* __restrict__ seq_lens,        // [num_seqs]
-    int max_num_partitions) {
+    int max_num_partitions,
+    int sliding_window) {                    // as the decode kernel's
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int num_heads = gridDim.x;
   const long long out_row = (long long)seq * num_heads + head;
-  // Only the partitions that hold context were written.
-  const int num_partitions = (seq_lens[seq] + PARTITION_SIZE - 1) / PARTITION_SIZE;
+  // Only the partitions that hold context (in the window) were written.
+  const int context_len = seq_lens[seq];
+  const int attended = sliding_window > 0 && context_len > sliding_window ? sliding_window : context_len;
+  const int num_partitions = (attended + PARTITION_SIZE - 1) / PARTITION_SIZE;
   const float* __restrict__ row_max = max_logits + out_row * max_num_partitions;
   const float* __restrict__ row_sum = exp_sums + out_row * max_num_partitions;
 

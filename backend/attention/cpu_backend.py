@@ -8,6 +8,7 @@ query heads together (GQA), and prefill chunks to a flash-attention kernel over 
 (paged_prefill.cpp, AVX-512: vdpbf16ps for bfloat16), which replaced SDPA's CPU flash attention
 (a float32 MKL GEMM on converted bfloat16 tiles, about 70 GFLOP/s here). Without AVX-512 the
 prefill stays SDPA's. The cache write is torch's unless the model's fused rotary kernel did it.
+Both kernels take the sliding window (0: none) and read only the blocks it reaches.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class _CpuPlan:
     write_rows: torch.Tensor | None  # [num_valid] int64 rows of key/value; None: all rows, in order
     block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, contiguous
     seq_lens: torch.Tensor  # [num_decodes] int32, contiguous
+    window: int = 0  # sliding window; 0: none
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -42,14 +44,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(torch.device("cpu"))
         self.kernel = kernel
 
-    def plan_step(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _CpuPlan:
+    def plan_step(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int = 0) -> _CpuPlan:
         n = metadata.num_decodes
         return _CpuPlan(*plan_cache_write(metadata.slot_mapping),
                         metadata.block_tables[:n].to(torch.int32).contiguous(),
-                        metadata.seq_lens[:n].to(torch.int32).contiguous())
+                        metadata.seq_lens[:n].to(torch.int32).contiguous(), window)
 
     def decode(self, query, key_cache, value_cache, metadata, plan: _CpuPlan, scale: float) -> torch.Tensor:
-        return paged_decode(self.kernel, query, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale)
+        return paged_decode(self.kernel, query, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
+                            plan.window)
 
     def takes_prefill(self, query: torch.Tensor) -> bool:
         """Whether the prefill kernel serves this dtype and head size on this build."""
@@ -57,18 +60,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return (self.kernel.prefill_available and query.dtype in KERNEL_DTYPES and head_size % 16 == 0
                 and head_size <= self.kernel.max_head_size)
 
-    def plan_prefills(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype):
+    def plan_prefills(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int = 0):
         if self.kernel.prefill_available and dtype in KERNEL_DTYPES:
             return []  # the kernel reads the metadata itself; SDPA's masks are not needed
-        return super().plan_prefills(metadata, block_size, dtype)
+        return super().plan_prefills(metadata, block_size, dtype, window)
 
     def prefill(self, query, key, value, key_cache, value_cache, plan, scale: float, output: torch.Tensor) -> None:
         if not self.takes_prefill(query):
             if not plan.prefills:  # planned for the kernel, but this head size needs SDPA after all
-                plan.prefills = super().plan_prefills(plan.metadata, plan.block_size, plan.dtype)
+                plan.prefills = super().plan_prefills(plan.metadata, plan.block_size, plan.dtype, plan.window)
             super().prefill(query, key, value, key_cache, value_cache, plan, scale, output)
             return
-        paged_prefill(self.kernel, query, key_cache, value_cache, plan.metadata, scale, output)
+        paged_prefill(self.kernel, query, key_cache, value_cache, plan.metadata, scale, output, plan.window)
 
 
 def paged_decode(
@@ -79,6 +82,7 @@ def paged_decode(
     block_tables: torch.Tensor,  # [n, max_blocks] int32, contiguous
     seq_lens: torch.Tensor,  # [n] int32, contiguous
     scale: float,
+    sliding_window: int = 0,  # each row sees its last sliding_window positions; 0: all
 ) -> torch.Tensor:  # [n, num_heads, head_size]
     """Decode attention of one query row per sequence over its paged context, in place."""
     n, num_heads, head_size = query.shape
@@ -95,7 +99,7 @@ def paged_decode(
         kernel.paged_decode(KERNEL_DTYPES[query.dtype], query.data_ptr(), key_cache.data_ptr(),
                         value_cache.data_ptr(),
                         block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads,
-                        head_size, block_size, block_tables.shape[1], scale)
+                        head_size, block_size, block_tables.shape[1], scale, sliding_window or 0)
     return out
 
 
@@ -107,6 +111,7 @@ def paged_prefill(
     metadata: AttentionMetadata,
     scale: float,
     output: torch.Tensor,  # [num_tokens, num_heads, head_size], contiguous: prefill rows written
+    sliding_window: int = 0,  # position i sees keys i - sliding_window < j <= i; 0: all j <= i
 ) -> None:
     """Causal attention of every prefill chunk (sequences num_decodes.. of the step) over its context."""
     _, num_heads, head_size = query.shape
@@ -118,4 +123,4 @@ def paged_prefill(
         kernel.paged_prefill(KERNEL_DTYPES[query.dtype], query.data_ptr(), key_cache.data_ptr(),
                              value_cache.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(), starts.data_ptr(),
                              output.data_ptr(), metadata.num_decodes, metadata.num_seqs, num_heads, num_kv_heads,
-                             head_size, block_size, tables.shape[1], scale)
+                             head_size, block_size, tables.shape[1], scale, sliding_window or 0)

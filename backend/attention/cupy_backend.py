@@ -5,7 +5,8 @@ torch backend: backend/attention/paged.py):
   * every step: ``reshape_and_cache`` writes the new K/V into their slots (slot -1 is skipped);
   * sequences with one new token (decode): ``paged_attention_decode`` reads the paged cache
     directly, split into partitions of PARTITION_SIZE tokens and combined by
-    ``paged_attention_reduce`` when the context is longer than one partition;
+    ``paged_attention_reduce`` when the context is longer than one partition; with a sliding
+    window W, from position seq_len - W on (the kernel reads nothing before it);
   * sequences with several new tokens (prefill, chunked prefill): the shared torch SDPA path.
 The kernels' argument tuples are packed in one place, kernels/launch_args.py.
 
@@ -209,15 +210,18 @@ class CupyAttentionBackend(PagedAttentionBackend):
 
     # ---- what the shared forward calls ------------------------------------------------------------
 
+    def plan_step(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int = 0) -> int:
+        return window  # the kernels take the metadata's tensors as they are; the plan is the window
+
     def write_cache(self, key, value, key_cache, value_cache, metadata: AttentionMetadata, plan) -> None:
         self.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
 
-    def decode(self, query, key_cache, value_cache, metadata: AttentionMetadata, plan, scale: float) -> torch.Tensor:
+    def decode(self, query, key_cache, value_cache, metadata: AttentionMetadata, plan: int, scale: float) -> torch.Tensor:
         num_decodes = metadata.num_decodes
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         self.decode_into(
             out, query, key_cache, value_cache, metadata.block_tables[:num_decodes], metadata.seq_lens[:num_decodes],
-            scale, max(metadata.seq_lens_list[:num_decodes]),
+            scale, max(metadata.seq_lens_list[:num_decodes]), sliding_window=plan,
         )
         return out
 
@@ -260,6 +264,7 @@ class CupyAttentionBackend(PagedAttentionBackend):
         seq_lens: torch.Tensor,  # [num_seqs] int32
         scale: float,
         max_seq_len: int,
+        sliding_window: int = 0,  # each sequence attends its last sliding_window positions; 0: all
     ) -> None:
         """paged_attention_decode (+ reduce over partitions): one query token per sequence."""
         num_seqs, num_heads, head_size = query.shape
@@ -274,7 +279,9 @@ class CupyAttentionBackend(PagedAttentionBackend):
         if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
             raise ValueError(f"block_tables must be int32 with contiguous rows, got {block_tables.dtype}")
         seq_lens = seq_lens.to(torch.int32).contiguous()
-        num_partitions = max(1, ceil_div(max_seq_len, self.partition_size))
+        sliding_window = sliding_window or 0
+        attended = min(max_seq_len, sliding_window) if sliding_window > 0 else max_seq_len
+        num_partitions = max(1, ceil_div(attended, self.partition_size))
         if num_partitions == 1:
             tmp_out = max_logits = exp_sums = self._placeholder(query.device)
         else:
@@ -290,11 +297,11 @@ class CupyAttentionBackend(PagedAttentionBackend):
         self._launch(
             kernels.decode, (num_heads, num_seqs, num_partitions), (NUM_THREADS,),
             decode_args(out, tmp_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens,
-                        scale),
+                        scale, sliding_window),
         )
         if num_partitions > 1:
             self._launch(kernels.reduce, (num_heads, num_seqs), (NUM_THREADS,),
-                         reduce_args(out, tmp_out, max_logits, exp_sums, seq_lens, num_partitions))
+                         reduce_args(out, tmp_out, max_logits, exp_sums, seq_lens, num_partitions, sliding_window))
 
     # ---- checks ---------------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ The write-then-attend order, the decodes-first batch and the prefill path are th
     sequence to the longest; when context lengths differ a lot (a 40-token chat next to a
     700-token one), the sequences sorted by length are split into up to ``MAX_DECODE_GROUPS``
     groups where that saves more padded work than an extra call costs (``plan_decode_groups``).
+    With a sliding window W each decode gathers only the blocks from the one holding its position
+    seq_len - W on, and the mask also hides that block's positions before it.
 """
 
 from __future__ import annotations
@@ -104,11 +106,14 @@ class TorchAttentionBackend(PagedAttentionBackend):
         super().__init__()
         self.device = torch.device(device) if device is not None else None
 
-    def plan_step(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
+    def plan_step(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype,
+                  window: int = 0) -> _TorchPlan:
         device = metadata.slot_mapping.device
         write_slots, write_rows = plan_cache_write(metadata.slot_mapping)
         num_decodes = metadata.num_decodes
         decode_lens = metadata.seq_lens_list[:num_decodes]
+        if window:  # the positions read: from the start of the block holding the window's first one
+            decode_lens = [n - max(0, n - window) // block_size * block_size for n in decode_lens]
         decode_groups = []
         for members in plan_decode_groups(decode_lens, block_size):  # members are in index order
             if len(members) == num_decodes:  # the only group: every decode, in order
@@ -118,11 +123,20 @@ class TorchAttentionBackend(PagedAttentionBackend):
                 tables = metadata.block_tables.index_select(0, rows)
                 group_lens = metadata.seq_lens.index_select(0, rows)
             max_blocks = ceil_div(max(decode_lens[m] for m in members), block_size)
-            key_pos = torch.arange(max_blocks * block_size, device=device)
-            allowed = key_pos[None, :] < group_lens.to(torch.int64)[:, None]
-            decode_groups.append(_DecodeGroup(rows, tables[:, :max_blocks].reshape(-1).to(torch.int64),
-                                              additive_mask(allowed, dtype)[:, None, None, :], len(members),
-                                              max_blocks))
+            group_lens = group_lens.to(torch.int64)
+            if not window:
+                key_pos = torch.arange(max_blocks * block_size, device=device)
+                allowed = key_pos[None, :] < group_lens[:, None]
+                block_ids = tables[:, :max_blocks].reshape(-1).to(torch.int64)
+            else:
+                first_block = (group_lens - window).clamp_(min=0) // block_size  # [n]
+                index = first_block[:, None] + torch.arange(max_blocks, device=device)  # [n, max_blocks]
+                # past a row's last block: a block of its table (or the null block), masked below
+                block_ids = tables.gather(1, index.clamp(max=tables.shape[1] - 1)).reshape(-1).to(torch.int64)
+                key_pos = (index[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
+                allowed = (key_pos < group_lens[:, None]) & (key_pos >= group_lens[:, None] - window)
+            decode_groups.append(_DecodeGroup(rows, block_ids, additive_mask(allowed, dtype)[:, None, None, :],
+                                              len(members), max_blocks))
         return _TorchPlan(write_slots, write_rows, decode_groups)
 
     def write_cache(self, key, value, key_cache, value_cache, metadata, plan: _TorchPlan) -> None:

@@ -117,11 +117,11 @@ class CpuKernels:
         pointer, integer, size, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
         self.paged_decode = self._function("paged_decode", [integer, pointer, pointer, pointer, pointer, pointer,
                                                             pointer, integer, integer, integer, integer, integer,
-                                                            integer, real])
+                                                            integer, real, integer])
         self.prefill_available = bool(self.library.paged_prefill_available())
         self.paged_prefill = self._function("paged_prefill", [integer, pointer, pointer, pointer, pointer, pointer,
                                                               pointer, pointer, integer, integer, integer, integer,
-                                                              integer, integer, integer, real])
+                                                              integer, integer, integer, real, integer])
         self.fused_rms_norm = self._function("fused_rms_norm", [integer, pointer, pointer, pointer, pointer, size,
                                                                 size, real])
         self.fused_silu_mul = self._function("fused_silu_mul", [integer, pointer, pointer, size, size])

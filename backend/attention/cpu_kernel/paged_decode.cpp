@@ -9,6 +9,9 @@
 //   value_cache  [num_blocks, block_size, num_kv_heads, head_size] same dtype
 //   block_tables [n, max_blocks] int32, seq_lens [n] int32
 //   out          [n, num_heads, head_size]                      same dtype
+// With a sliding window W > 0 (0: none) sequence s attends only positions seq_len - W .. seq_len - 1:
+// the blocks before the one holding seq_len - W are skipped, and in that block the positions before
+// it are masked (their scores -inf, their probabilities 0).
 // The plain loops (any head size): one task per (sequence, kv head), its `group` query heads sharing
 // one pass over that head's K/V (GQA), with an online softmax kept in float32 per query head. The
 // vector path below (head sizes a multiple of the vector width; built with -march=native) is what
@@ -53,7 +56,7 @@ inline void finish_task(const float* acc, const float* running_sum, int group, i
 template <typename T>
 void decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
             const int32_t* seq_lens, T* out, int num_seqs, int num_heads, int num_kv_heads, int head_size,
-            int block_size, int max_blocks, float scale) {
+            int block_size, int max_blocks, float scale, int window) {
   const int group = num_heads / num_kv_heads;
   const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_size;
   const int64_t block_stride = static_cast<int64_t>(block_size) * token_stride;
@@ -70,12 +73,14 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
                  acc, running_max, running_sum);
       const int seq_len = seq_lens[s];
       const int num_blocks = (seq_len + block_size - 1) / block_size;
-      for (int b = 0; b < num_blocks; ++b) {
+      const int first = window > 0 && seq_len > window ? seq_len - window : 0;  // the window's first position
+      for (int b = first / block_size; b < num_blocks; ++b) {
         const int64_t block = block_tables[static_cast<int64_t>(s) * max_blocks + b];
         const int tokens = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
+        const int t_begin = first > b * block_size ? first - b * block_size : 0;  // tokens before: outside the window
         const T* k_block = key_cache + block * block_stride + static_cast<int64_t>(kv_head) * head_size;
         const T* v_block = value_cache + block * block_stride + static_cast<int64_t>(kv_head) * head_size;
-        for (int t = 0; t < tokens; ++t) {
+        for (int t = t_begin; t < tokens; ++t) {
           const T* k_row = k_block + t * token_stride;
           for (int g = 0; g < group; ++g) {
             const float* q_row = q + g * head_size;
@@ -87,20 +92,20 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
         }
         for (int g = 0; g < group; ++g) {
           float block_max = running_max[g];
-          for (int t = 0; t < tokens; ++t) block_max = scores[t * group + g] > block_max ? scores[t * group + g] : block_max;
+          for (int t = t_begin; t < tokens; ++t) block_max = scores[t * group + g] > block_max ? scores[t * group + g] : block_max;
           const float correction = std::exp(running_max[g] - block_max);  // exp(-inf) = 0 at the start
           running_max[g] = block_max;
           running_sum[g] *= correction;
           float* acc_row = acc + g * head_size;
 #pragma omp simd
           for (int d = 0; d < head_size; ++d) acc_row[d] *= correction;
-          for (int t = 0; t < tokens; ++t) {
+          for (int t = t_begin; t < tokens; ++t) {
             const float p = std::exp(scores[t * group + g] - block_max);
             scores[t * group + g] = p;
             running_sum[g] += p;
           }
         }
-        for (int t = 0; t < tokens; ++t) {
+        for (int t = t_begin; t < tokens; ++t) {
           const T* v_row = v_block + t * token_stride;
           for (int g = 0; g < group; ++g) {
             const float p = scores[t * group + g];
@@ -158,11 +163,14 @@ inline void dot_tokens(const float* q_row, const T* k_rows, int64_t token_stride
 }
 
 // One query head's scores over a partition (`tokens` keys, `padded` entries, a multiple of the
-// width) become unnormalised probabilities in place: scaled, exp(score - max), 0 past `tokens`.
-// Returns (max, sum) for the partition merge and the final division.
+// width) become unnormalised probabilities in place: scaled, exp(score - max), 0 before `masked`
+// (positions before a sliding window) and past `tokens`. Returns (max, sum) for the partition merge
+// and the final division.
 template <typename V>
-inline void softmax_row(float* scores, int tokens, int padded, float scale, float& row_max, float& row_sum) {
+inline void softmax_row(float* scores, int masked, int tokens, int padded, float scale, float& row_max,
+                        float& row_sum) {
   constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
+  for (int t = 0; t < masked; ++t) scores[t] = kMinusInfinity;
   for (int t = tokens; t < padded; ++t) scores[t] = kMinusInfinity;
   const typename V::reg scale_v = V::set1(scale);
   typename V::reg maxima[2] = {V::set1(kMinusInfinity), V::set1(kMinusInfinity)};
@@ -287,7 +295,7 @@ inline void accumulate_group_bf16(float* acc, const uint32_t* pairs, int pairs_s
 template <typename V, typename T>
 void decode_vec(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
                 const int32_t* seq_lens, T* out, int num_seqs, int num_heads, int num_kv_heads, int head_size,
-                int block_size, int max_blocks, float scale) {
+                int block_size, int max_blocks, float scale, int window) {
   const int group = num_heads / num_kv_heads;
   const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_size;
   const int64_t block_stride = static_cast<int64_t>(block_size) * token_stride;
@@ -299,10 +307,12 @@ void decode_vec(const T* query, const T* key_cache, const T* value_cache, const 
   const bool bf16_dots = sizeof(T) == 2 && head_size % 32 == 0;
 #endif
 
+  // A sequence's window starts at position first(s); its partitions from the block holding it.
+  const auto first_position = [&](int s) { return window > 0 && seq_lens[s] > window ? seq_lens[s] - window : 0; };
   // Work items: (sequence, partition), numbered sequence by sequence.
   std::vector<int> first_item(num_seqs + 1, 0);
   for (int s = 0; s < num_seqs; ++s) {
-    const int blocks = (seq_lens[s] + block_size - 1) / block_size;
+    const int blocks = (seq_lens[s] + block_size - 1) / block_size - first_position(s) / block_size;
     first_item[s + 1] = first_item[s] + (blocks + part_blocks - 1) / part_blocks;
   }
   const int num_items = first_item[num_seqs];
@@ -329,9 +339,11 @@ void decode_vec(const T* query, const T* key_cache, const T* value_cache, const 
       const bool split = first_item[s + 1] - first_item[s] > 1;
       const int seq_len = seq_lens[s];
       const int num_blocks = (seq_len + block_size - 1) / block_size;
-      const int b_begin = part * part_blocks;
+      const int first = first_position(s);
+      const int b_begin = first / block_size + part * part_blocks;
       const int b_end = b_begin + part_blocks < num_blocks ? b_begin + part_blocks : num_blocks;
       const int tokens = std::min(seq_len, b_end * block_size) - b_begin * block_size;
+      const int masked = std::max(0, first - b_begin * block_size);  // the first block's positions before the window
       const int padded = (tokens + 15) / 16 * 16;
       const int32_t* table = block_tables + static_cast<int64_t>(s) * max_blocks;
       const T* q_seq = query + static_cast<int64_t>(s) * num_heads * head_size;
@@ -343,9 +355,10 @@ void decode_vec(const T* query, const T* key_cache, const T* value_cache, const 
         const T* k_block = key_cache + static_cast<int64_t>(table[b]) * block_stride;
         const int block_tokens = std::min(seq_len - b * block_size, block_size);
         const int offset = (b - b_begin) * block_size;
+        const int t_begin = b == b_begin ? masked : 0;  // their scores are masked: not computed
         for (int head = 0; head < num_heads; ++head) {
           const T* k_head = k_block + static_cast<int64_t>(head / group) * head_size;
-          for (int t = 0; t < block_tokens; t += V::width) {
+          for (int t = t_begin; t < block_tokens; t += V::width) {
             const int count = block_tokens - t < V::width ? block_tokens - t : V::width;
             float* scores = probs + head * probs_stride + offset + t;
 #ifdef LLM_CPU_AVX512_BF16
@@ -362,7 +375,7 @@ void decode_vec(const T* query, const T* key_cache, const T* value_cache, const 
       }
       // 2. one softmax per head over the partition
       for (int head = 0; head < num_heads; ++head)
-        softmax_row<V>(probs + head * probs_stride, tokens, padded, scale, row_max[head], row_sum[head]);
+        softmax_row<V>(probs + head * probs_stride, masked, tokens, padded, scale, row_max[head], row_sum[head]);
       // 3. p.v, block by block
       std::fill(acc, acc + num_heads * head_size, 0.0f);
 #ifdef LLM_CPU_AVX512_BF16
@@ -375,21 +388,24 @@ void decode_vec(const T* query, const T* key_cache, const T* value_cache, const 
         if (b + 1 < b_end) prefetch_bytes(value_cache + table[b + 1] * block_stride, block_bytes);
         const T* v_block = value_cache + static_cast<int64_t>(table[b]) * block_stride;
         const int block_tokens = std::min(seq_len - b * block_size, block_size);
+        const int t_begin = b == b_begin ? masked : 0;  // rows before the window: probability 0, not read
         const int offset = (b - b_begin) * block_size;
         for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
           const int first_head = kv_head * group;
           const T* v_head = v_block + static_cast<int64_t>(kv_head) * head_size;
 #ifdef LLM_CPU_AVX512_BF16
-          if (bf16_values) {
+          if (bf16_values) {  // from an even row: the pairs are (p[2i], p[2i + 1])
+            const int t0 = t_begin & ~1;
             accumulate_group_bf16(acc + first_head * head_size,
-                                  pairs_buffer.data() + first_head * (probs_stride / 2) + offset / 2, probs_stride / 2,
-                                  reinterpret_cast<const uint16_t*>(v_head), token_stride, block_tokens, head_size,
-                                  group);
+                                  pairs_buffer.data() + first_head * (probs_stride / 2) + (offset + t0) / 2,
+                                  probs_stride / 2, reinterpret_cast<const uint16_t*>(v_head + t0 * token_stride),
+                                  token_stride, block_tokens - t0, head_size, group);
             continue;
           }
 #endif
-          accumulate_group<V>(acc + first_head * head_size, probs + first_head * probs_stride + offset, probs_stride,
-                              v_head, token_stride, block_tokens, head_size, group);
+          accumulate_group<V>(acc + first_head * head_size, probs + first_head * probs_stride + offset + t_begin,
+                              probs_stride, v_head + t_begin * token_stride, token_stride, block_tokens - t_begin,
+                              head_size, group);
         }
       }
       if (!split) {
@@ -438,10 +454,11 @@ int paged_decode_max_group() { return kMaxGroup; }
 int paged_decode_max_head_size() { return kMaxHeadSize; }
 int paged_decode_max_block_size() { return kMaxBlockSize; }
 
-// dtype: 0 float32, 1 bfloat16.
+// dtype: 0 float32, 1 bfloat16; sliding_window: 0 for none.
 void paged_decode(int dtype, const void* query, const void* key_cache, const void* value_cache,
                   const int32_t* block_tables, const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
-                  int num_kv_heads, int head_size, int block_size, int max_blocks, float scale) {
+                  int num_kv_heads, int head_size, int block_size, int max_blocks, float scale,
+                  int sliding_window) {
 #ifdef LLM_CPU_AVX512
   using Vec = Avx512;
 #elif defined(LLM_CPU_AVX2)
@@ -452,11 +469,11 @@ void paged_decode(int dtype, const void* query, const void* key_cache, const voi
     if (dtype == 0) {
       decode_vec<Vec>(static_cast<const float*>(query), static_cast<const float*>(key_cache),
                       static_cast<const float*>(value_cache), block_tables, seq_lens, static_cast<float*>(out),
-                      num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks, scale);
+                      num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks, scale, sliding_window);
     } else {
       decode_vec<Vec>(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(key_cache),
                       static_cast<const uint16_t*>(value_cache), block_tables, seq_lens, static_cast<uint16_t*>(out),
-                      num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks, scale);
+                      num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks, scale, sliding_window);
     }
     return;
   }
@@ -464,11 +481,11 @@ void paged_decode(int dtype, const void* query, const void* key_cache, const voi
   if (dtype == 0) {
     decode(static_cast<const float*>(query), static_cast<const float*>(key_cache),
            static_cast<const float*>(value_cache), block_tables, seq_lens, static_cast<float*>(out), num_seqs,
-           num_heads, num_kv_heads, head_size, block_size, max_blocks, scale);
+           num_heads, num_kv_heads, head_size, block_size, max_blocks, scale, sliding_window);
   } else {
     decode(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(key_cache),
            static_cast<const uint16_t*>(value_cache), block_tables, seq_lens, static_cast<uint16_t*>(out),
-           num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks, scale);
+           num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks, scale, sliding_window);
   }
 }
 

@@ -16,7 +16,8 @@
 //   out          [num_tokens, num_heads, head_size]                 same dtype (prefill rows only)
 //
 // Sequence s's new tokens sit at positions seq_lens[s] - query_len .. seq_lens[s] - 1; the token
-// at position p sees keys 0..p.
+// at position p sees keys 0..p, or with a sliding window W > 0 keys p - W + 1..p: a work item's keys
+// then start at its first row's window, and each lane masks the keys before its own.
 //
 // Two inner products, chosen by dtype and CPU:
 //   * bfloat16 with AVX512_BF16: S = QK^T and O += PV with vdpbf16ps (pairs of exact bf16
@@ -73,21 +74,28 @@ struct LaneRows {
   const T* q[kLanes];
   T* out[kLanes];
   __m512i positions;
+  __m512i window_starts;  // with a sliding window: each lane's first key (position - W + 1)
+  bool windowed;
   int valid;          // lanes holding real rows; the rest repeat the last one
+  int first_key;      // the nearest key any lane sees (0 without a window)
   int last_position;  // the furthest key any lane sees
 };
 
 // Online-softmax step for the 16 lanes over one key tile: scores s[j] (lanes = rows) become
 // probabilities and the running max and sum advance. Returns whether some lane's max grew, with
 // `correction` the factor that lane's output must be scaled by (1 elsewhere); the product with V
-// applies it as it loads the accumulators.
-inline bool softmax_tile(__m512* s, int keys, int k0, __m512i positions, float scale, __m512& row_max,
-                         __m512& row_sum, __m512& correction) {
+// applies it as it loads the accumulators. With a window, every lane's first key lies in the item's
+// first tile (its rows are at most 16 consecutive positions, the tiles start at the first row's
+// window), so no lane's max is still -inf after that tile, as without a window.
+inline bool softmax_tile(__m512* s, int keys, int k0, __m512i positions, bool windowed, __m512i window_starts,
+                         float scale, __m512& row_max, __m512& row_sum, __m512& correction) {
   const __m512 minus_infinity = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale_v = _mm512_set1_ps(scale);
   __m512 tile_max = minus_infinity;
   for (int j = 0; j < kKeyTile; ++j) {
-    const __mmask16 allowed = j < keys ? _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(k0 + j)) : 0;
+    const __m512i key = _mm512_set1_epi32(k0 + j);
+    __mmask16 allowed = j < keys ? _mm512_cmpge_epi32_mask(positions, key) : 0;
+    if (windowed) allowed = _mm512_mask_cmple_epi32_mask(allowed, window_starts, key);
     s[j] = _mm512_mask_mul_ps(minus_infinity, allowed, s[j], scale_v);
     tile_max = _mm512_max_ps(tile_max, s[j]);
   }
@@ -150,7 +158,7 @@ void prefill_item(const LaneRows<T>& lanes, const KeyRows<T>& keys_at, const Key
   }
   __m512 row_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 row_sum = _mm512_setzero_ps();
-  for (int k0 = 0; k0 <= lanes.last_position; k0 += kKeyTile) {
+  for (int k0 = lanes.first_key; k0 <= lanes.last_position; k0 += kKeyTile) {
     const int keys = std::min(kKeyTile, lanes.last_position + 1 - k0);
     const T* key_row[kKeyTile];
     const T* value_row[kKeyTile];
@@ -169,7 +177,8 @@ void prefill_item(const LaneRows<T>& lanes, const KeyRows<T>& keys_at, const Key
 #endif
     if (!bf16_dots) scores_fp32<kKeyTile>(q_t, head_size, key_row, s);
     __m512 correction = _mm512_set1_ps(1.0f);
-    const bool rescale = softmax_tile(s, keys, k0, lanes.positions, scale, row_max, row_sum, correction);
+    const bool rescale = softmax_tile(s, keys, k0, lanes.positions, lanes.windowed, lanes.window_starts, scale,
+                                      row_max, row_sum, correction);
 #ifdef LLM_CPU_AVX512_BF16
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (bf16_dots) {
@@ -226,7 +235,8 @@ void prefill_item(const LaneRows<T>& lanes, const KeyRows<T>& keys_at, const Key
 template <typename T>
 void prefill(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
              const int32_t* seq_lens, const int32_t* query_start_loc, T* out, int first_seq, int num_seqs,
-             int num_heads, int num_kv_heads, int head_size, int block_size, int max_blocks, float scale) {
+             int num_heads, int num_kv_heads, int head_size, int block_size, int max_blocks, float scale,
+             int window) {
   const int group = num_heads / num_kv_heads;
   const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_size;
   const int64_t block_stride = static_cast<int64_t>(block_size) * token_stride;
@@ -234,7 +244,7 @@ void prefill(const T* query, const T* key_cache, const T* value_cache, const int
   // Work items: 16 query rows of one (sequence, KV head), rows = the chunk's tokens x the group's
   // query heads, token-major; the items that see the most keys first.
   struct Item {
-    int seq, kv_head, first_row, last_position;
+    int seq, kv_head, first_row, first_key, last_position;
   };
   std::vector<Item> items;
   for (int s = first_seq; s < num_seqs; ++s) {
@@ -242,10 +252,14 @@ void prefill(const T* query, const T* key_cache, const T* value_cache, const int
     const int first_position = seq_lens[s] - query_len;
     const int rows = query_len * group;
     for (int h = 0; h < num_kv_heads; ++h)
-      for (int r = 0; r < rows; r += kLanes)
-        items.push_back({s, h, r, first_position + (std::min(r + kLanes, rows) - 1) / group});
+      for (int r = 0; r < rows; r += kLanes) {
+        const int first_key = window > 0 ? std::max(0, first_position + r / group - window + 1) : 0;
+        items.push_back({s, h, r, first_key, first_position + (std::min(r + kLanes, rows) - 1) / group});
+      }
   }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.last_position > b.last_position; });
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.last_position - a.first_key > b.last_position - b.first_key;
+  });
 #ifdef LLM_CPU_AVX512_BF16
   const bool bf16_dots = sizeof(T) == 2 && head_size % 32 == 0;
 #else
@@ -260,7 +274,9 @@ void prefill(const T* query, const T* key_cache, const T* value_cache, const int
     const int rows = query_len * group;
     LaneRows<T> lanes;
     lanes.valid = std::min(kLanes, rows - item.first_row);
+    lanes.first_key = item.first_key;
     lanes.last_position = item.last_position;
+    lanes.windowed = window > 0;
     alignas(64) int32_t positions[kLanes];
     for (int l = 0; l < kLanes; ++l) {
       const int r = item.first_row + std::min(l, lanes.valid - 1);
@@ -272,6 +288,7 @@ void prefill(const T* query, const T* key_cache, const T* value_cache, const int
       positions[l] = first_position + token;
     }
     lanes.positions = _mm512_load_si512(positions);
+    lanes.window_starts = _mm512_sub_epi32(lanes.positions, _mm512_set1_epi32(window - 1));
     const int32_t* table = block_tables + static_cast<int64_t>(s) * max_blocks;
     const int64_t head_offset = static_cast<int64_t>(item.kv_head) * head_size;
     const KeyRows<T> keys_at{key_cache, table, block_size, block_stride, token_stride, head_offset};
@@ -295,25 +312,26 @@ int paged_prefill_available() {
 }
 
 // dtype: 0 float32, 1 bfloat16. Sequences first_seq .. num_seqs - 1 of the tables are prefills.
+// sliding_window: 0 for none.
 void paged_prefill(int dtype, const void* query, const void* key_cache, const void* value_cache,
                    const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start_loc, void* out,
                    int first_seq, int num_seqs, int num_heads, int num_kv_heads, int head_size, int block_size,
-                   int max_blocks, float scale) {
+                   int max_blocks, float scale, int sliding_window) {
 #ifdef LLM_CPU_AVX512
   if (dtype == 0) {
     prefill(static_cast<const float*>(query), static_cast<const float*>(key_cache),
             static_cast<const float*>(value_cache), block_tables, seq_lens, query_start_loc, static_cast<float*>(out),
-            first_seq, num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks, scale);
+            first_seq, num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks, scale, sliding_window);
   } else {
     prefill(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(key_cache),
             static_cast<const uint16_t*>(value_cache), block_tables, seq_lens, query_start_loc,
             static_cast<uint16_t*>(out), first_seq, num_seqs, num_heads, num_kv_heads, head_size, block_size,
-            max_blocks, scale);
+            max_blocks, scale, sliding_window);
   }
 #else
   (void)dtype, (void)query, (void)key_cache, (void)value_cache, (void)block_tables, (void)seq_lens;
   (void)query_start_loc, (void)out, (void)first_seq, (void)num_seqs, (void)num_heads, (void)num_kv_heads;
-  (void)head_size, (void)block_size, (void)max_blocks, (void)scale;
+  (void)head_size, (void)block_size, (void)max_blocks, (void)scale, (void)sliding_window;
 #endif
 }
 
