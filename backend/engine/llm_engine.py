@@ -115,10 +115,14 @@ class LLMEngine:
         enable_lora. A bad multi_lora.json fails the engine's start naming the file."""
         if not self.config.lora.enable_lora:
             return None
-        from backend.lora.manager import LoRAManager  # noqa: PLC0415
+        from backend.lora.manager import LORA_ARCHITECTURES, LoRAManager  # noqa: PLC0415
         from backend.lora.registry import LoRAConfigError  # noqa: PLC0415
 
         runner, scheduler = self.model_runner, self.scheduler
+        family = runner.model.family
+        if family.architecture not in LORA_ARCHITECTURES:  # adapters name q/k/v/gate/up modules of a dense MLP
+            raise ConfigError(f"parameter 'enable_lora': LoRA adapters are served on Llama, Mistral, Qwen2 and Qwen3 "
+                              f"checkpoints, not on {family.architecture}")
         live = lambda: {r.sampling_params.lora_name for r in (*scheduler.running, *scheduler.waiting)}  # noqa: E731
         try:
             manager = LoRAManager(self.config.lora, runner.shape, runner.dtype, runner.device, live)

@@ -27,6 +27,9 @@ from backend.models.shape import ModelShape
 
 logger = logging.getLogger(__name__)
 
+# checkpoints whose adapters name separate q/k/v/gate/up projections of a dense MLP (peft's layout)
+LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
 
 @dataclass(slots=True)
 class LoRAStats:

@@ -63,6 +63,8 @@ class CpuDecoderStack:
     @classmethod
     def build(cls, model, kernels) -> CpuDecoderStack | None:
         """The stack for ``model``, or None where it cannot serve it (the modules run then)."""
+        if not model.family.plain or model.rotary.rotary_dim != model.shape.head_size:
+            return None  # the stack runs the plain Llama decoder, every head dimension rotated
         layers = list(model.model.layers)
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]

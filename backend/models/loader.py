@@ -1,10 +1,12 @@
-"""Loads a Llama-family HF checkpoint folder (config.json + safetensors) into LlamaForCausalLM.
+"""Loads a HF checkpoint folder (config.json + safetensors) of a supported family
+(backend/models/family.py) into the decoder of backend/models/llama.py.
 
 Checks come first so a bad checkpoint fails at load with a message naming the problem
-(unsupported architecture, activation, RoPE type or sliding window), never mid-request.
-Weights stream tensor by tensor from the safetensors files (single file or sharded index) into
-parameters allocated once on the target device; q/k/v and gate/up are copied into the fused
-``qkv_proj`` / ``gate_up_proj`` slices (vLLM's stacked-params mapping).
+(unsupported architecture, activation, RoPE type), never mid-request. Weights stream tensor by
+tensor from the safetensors files (single file or sharded index) into parameters allocated once
+on the target device; q/k/v and gate/up are copied into the fused ``qkv_proj`` / ``gate_up_proj``
+slices (vLLM's stacked-params mapping; Phi's checkpoints are fused already), and each expert's
+gate/up/down into its slice of the stacked expert parameters.
 """
 
 from __future__ import annotations
@@ -13,20 +15,21 @@ import glob
 import json
 import logging
 import os
+import re
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from backend.attention.paged import PagedAttentionBackend as AttentionBackend
 from backend.models.cpu_linear import probe_packing
+from backend.models.family import SUPPORTED_ARCHITECTURES, ModelFamily, ModelLoadError
 from backend.models.llama import LlamaForCausalLM
-from backend.models.rope import get_rope_parameters
+from backend.models.rope import rotary_frequencies
 from backend.models.shape import ModelShape
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelLoadError", "load_config", "load_model", "resolve_dtype"]
 
 # checkpoint projection name -> (fused parameter name, shard index)
 _STACKED = {
@@ -37,9 +40,10 @@ _STACKED = {
     "up_proj": ("gate_up_proj", 1),
 }
 
-
-class ModelLoadError(ValueError):
-    """The checkpoint cannot be served; the message says why."""
+# one expert's projection in a checkpoint: Mixtral's w1/w3/w2, Qwen-MoE's gate/up/down
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_TARGET = {"w1": ("experts_gate_up", 0), "gate_proj": ("experts_gate_up", 0), "w3": ("experts_gate_up", 1),
+                  "up_proj": ("experts_gate_up", 1), "w2": ("experts_down", None), "down_proj": ("experts_down", None)}
 
 
 def cpu_has_native_bfloat16() -> bool:
@@ -92,53 +96,19 @@ def load_config(model_dir: str, max_model_len: int | None = None) -> PretrainedC
 
 
 def check_config(hf_config: PretrainedConfig, max_model_len: int | None = None) -> None:
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    if not architectures:
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type not in _MODEL_TYPES:
-            raise ModelLoadError(
-                f"model_type '{model_type}' (no 'architectures' in config.json) is not supported; "
-                f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        architectures = [_MODEL_TYPES[model_type]]
-    unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
-    if unsupported:
-        raise ModelLoadError(
-            f"architecture '{unsupported[0]}' is not supported; "
-            f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"hidden_act '{act}' is not supported (only 'silu')")
+    family = ModelFamily.of(hf_config)  # raises for an architecture, activation or option we do not run
     if getattr(hf_config, "pretraining_tp", 1) not in (None, 1):
         raise ModelLoadError("pretraining_tp > 1 is not supported")
-    try:
-        get_rope_parameters(hf_config)
-    except ValueError as exc:
-        raise ModelLoadError(str(exc)) from exc
-    if hf_config.num_attention_heads % ModelShape.of(hf_config).num_kv_heads:
+    shape = ModelShape.of(hf_config)
+    for key in sorted({spec.rope_key for spec in family.layers}):
+        try:
+            inv_freq, _ = rotary_frequencies(hf_config, key, shape.head_size, max_model_len)
+        except (ValueError, KeyError) as exc:
+            raise ModelLoadError(f"rope settings: {exc}") from exc
+        if 2 * inv_freq.shape[0] > shape.head_size:
+            raise ModelLoadError(f"the rotary dimension {2 * inv_freq.shape[0]} exceeds head_dim {shape.head_size}")
+    if hf_config.num_attention_heads % shape.num_kv_heads:
         raise ModelLoadError("num_attention_heads must be a multiple of num_key_value_heads")
-    _check_sliding_window(hf_config, max_model_len)
-
-
-def _check_sliding_window(hf_config: PretrainedConfig, max_model_len: int | None) -> None:
-    """Full attention equals sliding-window attention while sequences fit in the window."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window:
-        return
-    if getattr(hf_config, "model_type", None) == "qwen2":
-        layer_types = getattr(hf_config, "layer_types", None)
-        uses_window = getattr(hf_config, "use_sliding_window", False) and (
-            layer_types is None or "sliding_attention" in layer_types
-        )
-        if not uses_window:
-            return
-    limit = max_model_len or getattr(hf_config, "max_position_embeddings", None)
-    if limit is None or window < limit:
-        raise ModelLoadError(
-            f"sliding_window {window} is smaller than max_model_len {limit}: sliding-window attention "
-            f"is not supported; set max_model_len <= {window}"
-        )
 
 
 def _checkpoint_files(model_dir: str) -> list[str]:
@@ -151,6 +121,30 @@ def _checkpoint_files(model_dir: str) -> list[str]:
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in '{model_dir}' (only safetensors checkpoints load)")
     return files
+
+
+def _parameter_of(ckpt_name: str, qkv_sizes: tuple[int, int, int]):
+    """(our parameter's name, a function from that parameter's data to the slice this checkpoint
+    tensor fills)."""
+    name = ckpt_name.replace(".block_sparse_moe.", ".mlp.")
+    expert = _EXPERT.search(name)
+    if expert is not None:
+        stacked, half = _EXPERT_TARGET[expert.group(2)]
+        index = int(expert.group(1))
+
+        def expert_slice(data):
+            rows = data[index]
+            return rows if half is None else rows.narrow(0, half * (rows.shape[0] // 2), rows.shape[0] // 2)
+
+        return name[: expert.start()] + f".mlp.{stacked}", expert_slice
+    for proj, (fused, shard) in _STACKED.items():
+        if f".{proj}." in name:
+            def fused_slice(data, shard=shard, qkv=fused == "qkv_proj"):
+                sizes = qkv_sizes if qkv else (data.shape[0] // 2,) * 2
+                return data.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+            return name.replace(f".{proj}.", f".{fused}."), fused_slice
+    return name, lambda data: data
 
 
 def _has_weight(files: list[str], suffix: str) -> bool:
@@ -195,14 +189,10 @@ def load_model(
     model.to(dtype)  # still on meta: free
     model.to_empty(device=device)
     params = dict(model.named_parameters())
-    pending: dict[str, int] = {}  # parameter -> number of shards still to load
-    for name, param in params.items():
-        base = name.rsplit(".", 2)[-2]
-        pending[name] = 3 if base == "qkv_proj" else 2 if base == "gate_up_proj" else 1
+    pending = {name: param.numel() for name, param in params.items()}  # elements still to load
 
     shape = model.shape
     qkv_sizes = (shape.q_size, shape.kv_size, shape.kv_size)
-    inter = shape.intermediate_size
 
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -211,32 +201,24 @@ def load_model(
                     continue
                 if ckpt_name == "lm_head.weight" and model.lm_head is None:
                     continue  # tied: logits use the embedding matrix, as transformers does
-                name, shard = ckpt_name, None
-                for proj, (fused, idx) in _STACKED.items():
-                    if f".{proj}." in ckpt_name:
-                        name, shard = ckpt_name.replace(f".{proj}.", f".{fused}."), idx
-                        break
+                name, target_of = _parameter_of(ckpt_name, qkv_sizes)
                 param = params.get(name)
                 if param is None:
                     logger.warning("ignoring checkpoint tensor %s (no such parameter)", ckpt_name)
                     continue
                 tensor = f.get_tensor(ckpt_name)
-                target = param.data
-                if shard is not None:
-                    sizes = qkv_sizes if "qkv_proj" in name else (inter, inter)
-                    start = sum(sizes[:shard])
-                    target = target.narrow(0, start, sizes[shard])
+                target = target_of(param.data)
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ModelLoadError(
                         f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, "
                         f"expected {tuple(target.shape)}"
                     )
                 target.copy_(tensor)
-                pending[name] -= 1
+                pending[name] -= tensor.numel()
     missing = [name for name, left in pending.items() if left > 0]
     if missing:
         raise ModelLoadError(f"checkpoint '{model_dir}' lacks weights for: {', '.join(missing[:8])}")
-    model.init_rotary(dtype, device)
+    model.init_rotary(dtype, device, max_model_len=max_model_len)
     model.eval()
     if prepack is None:
         prepack = device.type == "cpu"

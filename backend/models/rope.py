@@ -2,8 +2,17 @@
 
 Why a cache: positions of a flattened batch are arbitrary (chunked prefill, decode at ``len - 1``),
 so one ``index_select`` per step beats recomputing ``cos(pos * inv_freq)``. Values match
-transformers exactly: angles are computed in float32 as ``position * inv_freq`` and cast to the
-model dtype afterwards. Supported ``rope_type``: default, linear, llama3 (Llama 3.1+).
+transformers exactly: angles are computed in float32 as ``position * inv_freq``, scaled by the
+type's attention factor (yarn, longrope) and cast to the model dtype afterwards. default, linear
+and llama3 are computed here; yarn, longrope and dynamic come from transformers' own
+``ROPE_INIT_FUNCTIONS``. A ``partial_rotary_factor`` (Phi) rotates the first part of each head only.
+
+Two types depend on the length in transformers, which recomputes the frequencies once a forward
+pass runs past a threshold; the engine fixes them for ``max_model_len`` instead, so a token's
+rotation never depends on what else is in the batch: longrope takes its long factors for every
+position when ``max_model_len`` exceeds ``original_max_position_embeddings`` (its short factors
+otherwise: exactly transformers within the original context), and dynamic is refused beyond
+``max_position_embeddings`` (below it, it is the default rotation).
 """
 
 from __future__ import annotations
@@ -12,16 +21,20 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+LAYER_TYPE_OF_KEY = {"global": "full_attention", "local": "sliding_attention"}
 
 
-def get_rope_parameters(hf_config) -> dict:
-    """The RoPE settings of a config, as one dict with ``rope_type`` and ``rope_theta``.
+def get_rope_parameters(hf_config, rope_key: str = "global") -> dict:
+    """The RoPE settings of a config (of one layer type, for configs that give each its own), as
+    one dict with ``rope_type`` and ``rope_theta``.
 
     transformers >= 5 keeps them in ``rope_parameters``; older configs use ``rope_theta`` plus an
     optional ``rope_scaling`` dict (whose type key is ``type`` or ``rope_type``).
     """
     params = getattr(hf_config, "rope_parameters", None)
+    if params and all(isinstance(value, dict) for value in params.values()):  # per layer type (Gemma 3)
+        params = params.get(LAYER_TYPE_OF_KEY[rope_key]) or params.get("full_attention")
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -32,15 +45,16 @@ def get_rope_parameters(hf_config) -> dict:
         raise ValueError(
             f"rope_type '{params['rope_type']}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
+    params.setdefault("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0)
     return params
 
 
-def compute_inv_freq(params: dict, head_size: int) -> torch.Tensor:  # -> [head_size // 2] float32
-    """Inverse frequencies, bit-identical to transformers' ROPE_INIT_FUNCTIONS."""
+def compute_inv_freq(params: dict, head_size: int) -> torch.Tensor:  # -> [rotary_dim // 2] float32
+    """Inverse frequencies of default, linear and llama3, bit-identical to transformers'
+    ROPE_INIT_FUNCTIONS, over ``head_size * partial_rotary_factor`` dimensions."""
+    dim = int(head_size * params.get("partial_rotary_factor", 1.0))
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     rope_type = params["rope_type"]
     if rope_type == "linear":
         inv_freq = inv_freq / params["factor"]
@@ -60,25 +74,62 @@ def compute_inv_freq(params: dict, head_size: int) -> torch.Tensor:  # -> [head_
     return inv_freq
 
 
+def rotary_frequencies(hf_config, rope_key: str, head_size: int,
+                       max_model_len: int | None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim // 2] float32, the factor cos and sin are scaled by) of a
+    layer type; ValueError names what cannot be served."""
+    params = get_rope_parameters(hf_config, rope_key)
+    rope_type = params["rope_type"]
+    if rope_type in ("default", "linear", "llama3"):
+        return compute_inv_freq(params, head_size), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
+
+    layer_type = LAYER_TYPE_OF_KEY[rope_key] if _per_layer_type(hf_config) else None
+    kwargs = {"layer_type": layer_type} if layer_type else {}
+    if rope_type == "dynamic":
+        limit = getattr(hf_config, "max_position_embeddings", None)
+        if max_model_len and limit and max_model_len > limit:
+            raise ValueError(f"rope_type 'dynamic' beyond max_position_embeddings {limit} is not supported; "
+                             f"set max_model_len <= {limit}")
+    elif rope_type == "longrope":
+        original = params.get("original_max_position_embeddings") or getattr(
+            hf_config, "original_max_position_embeddings", None)
+        if max_model_len and original and max_model_len > original:
+            kwargs["seq_len"] = max_model_len  # the long factors, for every position
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
+    return inv_freq.float(), float(scaling)
+
+
+def _per_layer_type(hf_config) -> bool:
+    params = getattr(hf_config, "rope_parameters", None)
+    return bool(params) and all(isinstance(value, dict) for value in params.values())
+
+
 class RotaryEmbedding:
     """Neox-style (rotate-half) RoPE over a cos/sin cache that grows on demand.
 
     Not an nn.Module on purpose: the cache is derived state, never loaded from a checkpoint.
+    ``inv_freq`` may cover fewer dimensions than the head (partial rotary): the rest pass unchanged.
     """
 
-    def __init__(self, params: dict, head_size: int, dtype: torch.dtype, device: torch.device,
-                 initial_len: int = 4096):
+    def __init__(self, params: dict | None, head_size: int, dtype: torch.dtype, device: torch.device,
+                 initial_len: int = 4096, inv_freq: torch.Tensor | None = None, scaling: float = 1.0):
         self.head_size = head_size
         self.dtype = dtype
         self.device = device
-        self.inv_freq = compute_inv_freq(params, head_size)  # [head_size // 2] float32, on the CPU
-        self.cos_sin_cache = torch.empty(0)  # [max_len, head_size]: cos half | sin half
+        # [rotary_dim // 2] float32, on the CPU
+        self.inv_freq = compute_inv_freq(params, head_size) if inv_freq is None else inv_freq
+        self.rotary_dim = 2 * self.inv_freq.shape[0]
+        self.scaling = scaling
+        self.cos_sin_cache = torch.empty(0)  # [max_len, rotary_dim]: cos half | sin half
         self._build(initial_len)
 
     def _build(self, max_len: int) -> None:
         positions = torch.arange(max_len, dtype=torch.int64).float()
-        freqs = positions[:, None] * self.inv_freq[None, :]  # [max_len, head_size // 2]
+        freqs = positions[:, None] * self.inv_freq[None, :]  # [max_len, rotary_dim // 2]
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        if self.scaling != 1.0:
+            cache = cache * self.scaling
         self.cos_sin_cache = cache.to(device=self.device, dtype=self.dtype)
 
     def ensure_len(self, max_len: int) -> None:
@@ -91,8 +142,11 @@ class RotaryEmbedding:
         positions: torch.Tensor,  # [num_tokens] int64
         x: torch.Tensor,  # [num_tokens, num_heads, head_size] (q and k heads together)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        half = self.head_size // 2
-        cos_sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)  # [num_tokens, 1, head_size]
+        half = self.rotary_dim // 2
+        cos_sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)  # [num_tokens, 1, rotary_dim]
         cos, sin = cos_sin[..., :half], cos_sin[..., half:]
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x[..., :half], x[..., half:self.rotary_dim]
+        rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        if self.rotary_dim == self.head_size:
+            return torch.cat(rotated, dim=-1)
+        return torch.cat((*rotated, x[..., self.rotary_dim:]), dim=-1)

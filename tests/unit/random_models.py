@@ -16,12 +16,24 @@ import tempfile
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 INIT_STD = 0.2  # config.initializer_range of every test model (see the module docstring)
@@ -58,6 +70,56 @@ MODEL_SPECS = {
     "mistral_1kv": (MistralConfig, MistralForCausalLM, dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024, sliding_window=None,
+    )),
+    # The families of issue 35 (tests/unit/test_model_families.py): a few layers, GQA, small vocabularies.
+    # Qwen3: q/k RMSNorm per head, head_dim set (q_size != hidden_size)
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=48, vocab_size=2048, max_position_embeddings=1024,
+    )),
+    # Qwen3-MoE: 8 experts, top 2 renormalised, the middle layer dense (mlp_only_layers)
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], vocab_size=2048, max_position_embeddings=1024,
+    )),
+    # Qwen2-MoE: q/k/v bias, a shared expert behind a sigmoid gate, top-4 of 6 not renormalised
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=64, shared_expert_intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=4,
+        norm_topk_prob=False, vocab_size=2048, max_position_embeddings=1024,
+    )),
+    # Mixtral: 4 experts, top 2, every layer a sliding window of 40 positions
+    "mixtral_window": (MixtralConfig, MixtralForCausalLM, dict(
+        hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=2048,
+        max_position_embeddings=1024, sliding_window=40,
+    )),
+    # Phi-3: fused qkv_proj and gate_up_proj in the checkpoint, half the head rotated, longrope
+    "phi3_longrope": (Phi3Config, Phi3ForCausalLM, dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=4096, original_max_position_embeddings=1024, partial_rotary_factor=0.5,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                         "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+                         "original_max_position_embeddings": 1024},
+    )),
+    # Llama with yarn rope scaling (an attention factor on cos/sin) from transformers' own rope functions
+    "llama_yarn": (LlamaConfig, LlamaForCausalLM, dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                         "rope_theta": 10000.0},
+    )),
+    # Gemma 3: sliding layers (window 48, local rotary base) around a global one, GELU-tanh, sandwich
+    # norms, scaled embeddings, query_pre_attn_scalar, final logit soft-capping
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=2048, max_position_embeddings=1024,
+        sliding_window=48, layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                        "sliding_attention"],
+        query_pre_attn_scalar=24, final_logit_softcapping=30.0, pad_token_id=0, bos_token_id=2, eos_token_id=1,
     )),
 }
 

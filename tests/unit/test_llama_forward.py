@@ -13,6 +13,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request, SamplingParams
 from backend.engine.scheduler import ScheduledRequest as Scheduled
+from backend.models.family import ModelFamily
 from backend.models.loader import ModelLoadError, load_config, load_model
 from backend.models.rope import compute_inv_freq, get_rope_parameters
 from tests.unit.random_models import LLAMA3_ROPE, MODEL_SPECS, get_random_model, reference_logits
@@ -134,20 +135,18 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 def test_unsupported_rope_type_is_named(tmp_path):
     config = MODEL_SPECS["llama_gqa4"][0](
-        architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+        architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": "proportional", "rope_theta": 1e4}
     )
     config.save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="yarn"):
+    with pytest.raises(ModelLoadError, match="proportional"):
         load_config(str(tmp_path))
 
 
-def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
+def test_a_sliding_window_is_served_at_any_max_model_len(tmp_path):
+    """The attention backends honour the window (tests/unit/test_model_families.py for parity)."""
     MistralConfig(architectures=["MistralForCausalLM"], sliding_window=64, max_position_embeddings=4096).save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="sliding_window 64"):
-        load_config(str(tmp_path), max_model_len=128)
-    with pytest.raises(ModelLoadError, match="sliding_window"):
-        load_config(str(tmp_path))  # unknown max_model_len: max_position_embeddings counts
-    assert load_config(str(tmp_path), max_model_len=64).sliding_window == 64
+    config = load_config(str(tmp_path), max_model_len=128)
+    assert {layer.sliding_window for layer in ModelFamily.of(config).layers} == {64}
 
 
 def test_missing_weights_fail_at_load(tmp_path):

@@ -1,0 +1,75 @@
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) over a flattened batch.
+
+Each token's router picks ``top_k`` experts (softmax in float32, then top-k, renormalised where the
+config says). The step's (token, expert) pairs are sorted by expert once, so each expert with work
+runs one gated-MLP GEMM pair on its tokens, contiguous, and the weighted results are added back
+to their tokens with one ``index_add_``: no per-token Python, and an expert nobody chose costs
+nothing. Experts are stacked in two parameters ([num_experts, 2 * intermediate, hidden] and
+[num_experts, hidden, intermediate]) the loader fills from the per-expert checkpoint tensors;
+nothing here assumes the experts share a device with each other beyond those two tensors (expert
+parallelism would shard their first dimension).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.models.family import MoeSpec
+
+
+def activation_fn(name: str):
+    """The gated MLP's activation by its config name (family.ACTIVATIONS)."""
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    return F.silu
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, spec: MoeSpec, activation: str, shared_expert: nn.Module | None = None):
+        super().__init__()
+        self.spec = spec
+        self.hidden_size = hidden_size
+        self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)
+        inter = spec.intermediate_size
+        self.experts_gate_up = nn.Parameter(torch.empty(spec.num_experts, 2 * inter, hidden_size))
+        self.experts_down = nn.Parameter(torch.empty(spec.num_experts, hidden_size, inter))
+        self.act = activation_fn(activation)
+        self.shared_expert = shared_expert  # Qwen2-MoE: a dense MLP every token also runs, gated
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [num_tokens, top_k] float32, expert ids [num_tokens, top_k] int64)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size] -> same
+        weights, experts = self.route(x)
+        if self.spec.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        top_k = self.spec.top_k
+        flat = experts.reshape(-1)  # [num_tokens * top_k]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
+        token_of = order // top_k  # [num_tokens * top_k]: the token of each sorted pair
+        pair_weight = weights.reshape(-1)[order].unsqueeze(1)  # [num_tokens * top_k, 1]
+        routed = x.index_select(0, token_of)  # [num_tokens * top_k, hidden_size], grouped by expert
+        inter = self.spec.intermediate_size
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            gate_up = F.linear(routed[start:end], self.experts_gate_up[expert])  # [count, 2 * inter]
+            hidden = self.act(gate_up[:, :inter]) * gate_up[:, inter:]
+            down = F.linear(hidden, self.experts_down[expert]) * pair_weight[start:end]  # [count, hidden_size]
+            out.index_add_(0, token_of[start:end], down.to(x.dtype))
+            start = end
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
