@@ -1,0 +1,168 @@
+"""Mixture of experts against vLLM CPU, and what a sliding window costs (issue 35).
+
+    .venv/bin/python -m perf.moe_bench [--part vllm,window] [--repeat 3] [--num-requests 32]
+
+``vllm``: a random Qwen3-MoE checkpoint about SmolLM2-135M's size in active parameters (its
+hidden size, layers, heads and vocabulary; 8 experts of half its MLP width, top 2, so a token runs
+as many MLP weights as SmolLM2's) with SmolLM2's tokenizer, built once into
+``models/qwen3-moe-smol``; then ``perf.compare --systems engine,vllm`` on a model repository copy
+serving it (both systems on the same folder and prompts, alternating ``--repeat`` times, vLLM in
+its default and tuned setups, medians).
+
+``window``: a Gemma 3 layout of the same size (five sliding layers of ``--window`` positions to
+one global, transformers' default pattern) against the same weights with every layer global,
+in-process, long prompts (``--window-input-len``), the two alternating per round: output tokens/s,
+TTFT p50 and step time, medians. Results: perf/results/moe/ (json) and the tables on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from backend.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.request import SamplingParams
+from backend.paths import REPO_ROOT
+from client.bench.metadata import git_state, machine_info, now_iso
+from client.bench.report import write_json
+from perf.compare.repository import repository_with_overrides
+from perf.engine_driver import prompt_builder, run, token_workload, warm_up
+
+SMOLLM2 = REPO_ROOT / "models" / "smollm2-135m-instruct"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "generation_config.json")
+RESULTS = REPO_ROOT / "perf" / "results" / "moe"
+
+
+def smollm2_shape() -> dict:
+    config = json.loads((SMOLLM2 / "config.json").read_text())
+    return {key: config[key] for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                         "num_key_value_heads", "vocab_size", "rms_norm_eps", "tie_word_embeddings",
+                                         "bos_token_id", "eos_token_id")} | {"intermediate": config["intermediate_size"]}
+
+
+def save_random(model_cls, config, out: Path) -> Path:
+    """A seeded random checkpoint with SmolLM2's tokenizer beside it (made once)."""
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    config.initializer_range = 0.05
+    model_cls(config).to(torch.bfloat16).save_pretrained(str(out))
+    for name in TOKENIZER_FILES:
+        if (SMOLLM2 / name).exists():
+            shutil.copy(SMOLLM2 / name, out / name)
+    return out
+
+
+def build_moe(out: Path) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: PLC0415
+
+    shape = smollm2_shape()
+    inter = shape.pop("intermediate")
+    config = Qwen3MoeConfig(**shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+                            intermediate_size=inter, moe_intermediate_size=inter // 2, num_experts=8,
+                            num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=8192)
+    return save_random(Qwen3MoeForCausalLM, config, out)
+
+
+def build_gemma(out: Path, window: int, sliding: bool) -> Path:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: PLC0415
+
+    shape = smollm2_shape()
+    inter = shape.pop("intermediate")
+    layers = shape["num_hidden_layers"]
+    types = [("sliding_attention" if sliding and (i + 1) % 6 else "full_attention") for i in range(layers)]
+    config = Gemma3TextConfig(**shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+                              intermediate_size=inter, sliding_window=window, layer_types=types,
+                              max_position_embeddings=8192, pad_token_id=0)
+    return save_random(Gemma3ForCausalLM, config, out)
+
+
+def part_vllm(args) -> None:
+    folder = build_moe(REPO_ROOT / "models" / "qwen3-moe-smol")
+    with tempfile.TemporaryDirectory(prefix="moe-repo-") as tmp:
+        repo = repository_with_overrides(REPO_ROOT / "model_repository", "llm",
+                                         {"model_dir": str(folder), "tokenizer_dir": str(folder)}, Path(tmp))
+        command = [sys.executable, "-m", "perf.compare", "--model-repository", str(repo), "--systems", "engine,vllm",
+                   "--num-requests", str(args.num_requests), "--repeat", str(args.repeat),
+                   "--out-dir", str(RESULTS / "compare")]
+        print("$", " ".join(command), flush=True)
+        subprocess.run(command, check=True, cwd=REPO_ROOT)
+
+
+def engine_for(folder: Path, max_model_len: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=ModelConfig(model_dir=str(folder), tokenizer_dir=str(folder), dtype="float32", device="cpu",
+                          max_model_len=max_model_len),
+        cache=CacheConfig(block_size=16, kv_cache_memory_mb=4096, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
+    ))
+
+
+def measure(engine: LLMEngine, requests) -> dict:
+    """Every request at once: output tokens/s, TTFT p50 and the median gap between tokens."""
+    work = [(prompt, SamplingParams(max_tokens=length, ignore_eos=True)) for prompt, length in requests]
+    result = run(engine, work)
+    records = result.records
+    gaps = [b - a for r in records for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+    return {"output_tokens_per_s": sum(r.num_output_tokens for r in records) / result.duration_s,
+            "ttft_p50_ms": 1000 * statistics.median(r.token_times[0] - r.arrival for r in records),
+            "itl_p50_ms": 1000 * statistics.median(gaps)}
+
+
+def part_window(args) -> dict:
+    root = REPO_ROOT / "models"
+    folders = {"sliding": build_gemma(root / f"gemma3-smol-w{args.window}", args.window, True),
+               "global": build_gemma(root / "gemma3-smol-global", args.window, False)}
+    max_model_len = 4096
+    engines = {name: engine_for(folder, max_model_len) for name, folder in folders.items()}
+    builder = prompt_builder(engines["sliding"].config)
+    requests = token_workload(builder, args.window_requests, args.window_input_len, args.window_output_len, seed=1)
+    for engine in engines.values():
+        warm_up(engine, requests[0][0])
+    samples: dict[str, list[dict]] = {name: [] for name in engines}
+    for round_index in range(args.repeat):
+        for name, engine in engines.items():
+            summary = measure(engine, requests)
+            samples[name].append(summary)
+            print(f"round {round_index + 1}/{args.repeat} {name}: {summary['output_tokens_per_s']:.1f} tok/s, "
+                  f"TTFT p50 {summary['ttft_p50_ms']:.0f} ms", flush=True)
+    table = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in samples.items()}
+    print(f"\n| layout (window {args.window}, {args.window_input_len} in / {args.window_output_len} out, "
+          f"{args.window_requests} requests) | output tok/s | TTFT p50 ms | ITL p50 ms |\n|---|---|---|---|")
+    for name, row in table.items():
+        print(f"| {name} | {row['output_tokens_per_s']:.1f} | {row['ttft_p50_ms']:.0f} | {row['itl_p50_ms']:.1f} |")
+    return {"table": table, "runs": samples}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", default="vllm,window")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--window-requests", type=int, default=8)
+    parser.add_argument("--window-input-len", default="3072")
+    parser.add_argument("--window-output-len", default="32")
+    args = parser.parse_args()
+    parts = args.part.split(",")
+    if "vllm" in parts:
+        part_vllm(args)
+    if "window" in parts:
+        result = part_window(args)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        write_json({"when": now_iso(), "git": git_state(), "machine": machine_info(), "settings": vars(args),
+                    "dtype": "float32", **result}, RESULTS / "window.json")
+
+
+if __name__ == "__main__":
+    main()
