@@ -12,6 +12,11 @@ at once, the systems alternating within each round (medians over rounds):
   adapters on all seven projections (made by peft with random non-zero weights, once, in
   ``models/lora-bench``), ``max_loras`` N so they all run together.
 
+With ``--vllm`` (needs ``make peers``), vLLM CPU 0.32 in its tuned setup serves the same folder
+with ``--enable-lora`` and the same adapters (``--lora-modules``, ``--max-loras`` N), and the same
+rows run against it through its OpenAI streaming completions (token-id prompts, forced lengths),
+alternating with ours in each round; its rows are ``vLLM base`` and ``vLLM N adapters``.
+
 Reported: output tokens/s and its ratio to ``base``, TTFT p50, and the time to first token of one
 request for an adapter that is not loaded yet (its load included) against one that is. Writes
 perf/results/lora_bench.json.
@@ -23,6 +28,7 @@ import argparse
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -74,6 +80,50 @@ def measure(engine: LLMEngine, requests, adapters: list[str | None]) -> dict:
             "duration_s": result.duration_s, "errors": sum(1 for r in records if r.error is not None)}
 
 
+def measure_vllm(url: str, requests, models: list[str]) -> dict:
+    """The same requests through vLLM's OpenAI streaming completions, all at once, request i on
+    models[i % len] (the served base name or an adapter's)."""
+    import openai  # noqa: PLC0415
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
+
+    def one(index: int) -> tuple[float, float, int, str | None]:
+        prompt, length = requests[index]
+        start = time.monotonic()
+        first, tokens = None, 0
+        try:
+            stream = client.completions.create(model=models[index % len(models)], prompt=prompt, max_tokens=length,
+                                               temperature=0.0, stream=True,
+                                               extra_body={"ignore_eos": True, "min_tokens": length})
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    first = first or time.monotonic()
+            tokens = length
+        except openai.OpenAIError as exc:
+            return start, start, 0, str(exc)
+        return start, first or time.monotonic(), tokens, None
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(one, range(len(requests))))
+    duration = time.monotonic() - start
+    ttft = [first - began for began, first, _, error in results if error is None]
+    return {"output_token_throughput": sum(r[2] for r in results) / duration,
+            "ttft_ms": summarize_ms(ttft, (50, 99)).to_dict(), "duration_s": duration,
+            "errors": sum(1 for r in results if r[3] is not None)}
+
+
+def start_vllm_with_adapters(model_dir: str, table: Path, names: list[str], rank: int, dtype: str, max_model_len: int):
+    from perf.compare.vllm_server import SERVED_MODEL_NAME, start_vllm  # noqa: PLC0415
+
+    folders = json.loads(table.read_text())
+    extra = ["--enable-lora", "--max-loras", str(len(names)), "--max-lora-rank", str(rank),
+             "--max-cpu-loras", str(len(names) + 1),
+             "--lora-modules", *[f"{name}={table.parent / folders[name]}" for name in names]]
+    return start_vllm(model_dir, setup="tuned", dtype=dtype, max_model_len=max_model_len,
+                      extra_args=extra), SERVED_MODEL_NAME
+
+
 def first_token_seconds(engine: LLMEngine, prompt: list[int], adapter: str) -> float:
     start = time.monotonic()
     engine.add_request(f"ttft-{adapter}-{time.monotonic_ns()}", prompt_token_ids=prompt,
@@ -94,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS_DIR / "lora_bench.json"))
+    parser.add_argument("--vllm", action="store_true", help="vLLM CPU (tuned, --enable-lora) on the same rows")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.adapters.split(",") if n]
     plain_config = engine_config_from_model_folder(args.model_folder)
@@ -116,20 +167,31 @@ def main(argv: list[str] | None = None) -> int:
         first_token_seconds(lora_engine, requests[0][0][:16], name)  # every adapter loaded before measuring
     systems = {"base": (base_engine, [None]), "base (LoRA on)": (lora_engine, [None])}
     systems.update({f"{n} adapter{'s' if n > 1 else ''}": (lora_engine, names[:n]) for n in counts})
+    vllm = None
+    if args.vllm:
+        vllm, served = start_vllm_with_adapters(plain_config.model.model_dir, table, names, args.rank, dtype,
+                                                plain_config.model.max_model_len)
+        measure_vllm(vllm.url, requests[:2], [served])  # warm-up
+        systems["vLLM base"] = (vllm.url, [served])
+        systems.update({f"vLLM {n} adapter{'s' if n > 1 else ''}": (vllm.url, names[:n]) for n in counts})
     results: dict[str, list[dict]] = {name: [] for name in systems}
     for round_index in range(args.rounds):
         order = list(systems) if round_index % 2 == 0 else list(systems)[::-1]
         for name in order:
             engine, adapters = systems[name]
-            result = measure(engine, requests, adapters)
+            result = (measure_vllm(engine, requests, adapters) if isinstance(engine, str)
+                      else measure(engine, requests, adapters))
             results[name].append(result)
             print(f"[round {round_index + 1}/{args.rounds}] {name}: {result['output_token_throughput']:.1f} tok/s, "
                   f"TTFT p50 {result['ttft_ms']['p50']:.0f} ms, errors {result['errors']}", flush=True)
     base = statistics.median(r["output_token_throughput"] for r in results["base"])
-    lines = ["| system | output tok/s | vs base | TTFT p50 ms | errors |", "| --- | ---: | ---: | ---: | ---: |"]
+    medians = {name: statistics.median(r["output_token_throughput"] for r in runs) for name, runs in results.items()}
+    lines = ["| system | output tok/s | vs base | ours / vLLM | TTFT p50 ms | errors |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, runs in results.items():
-        tput = statistics.median(r["output_token_throughput"] for r in runs)
-        lines.append(f"| {name} | {tput:.1f} | {tput / base:.2f}x | "
+        tput = medians[name]
+        peer = medians.get(f"vLLM {name}")
+        lines.append(f"| {name} | {tput:.1f} | {tput / base:.2f}x | {f'{tput / peer:.2f}x' if peer else ''} | "
                      f"{statistics.median(r['ttft_ms']['p50'] for r in runs):.0f} | {sum(r['errors'] for r in runs)} |")
     table_text = "\n".join(lines)
     print(table_text)
@@ -142,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"written to {args.out}")
     base_engine.close()
     lora_engine.close()
+    if vllm is not None:
+        vllm.stop()
     return 0
 
 

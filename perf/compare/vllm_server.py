@@ -94,7 +94,8 @@ def offline_environment(python: Path) -> dict[str, str]:
 
 def start_vllm(model_dir: str, setup: str = "default", dtype: str = "float32", max_model_len: int = 2048,
                max_num_seqs: int = 64, kv_cache_gib: int = 2, venv: Path = DEFAULT_VLLM_VENV,
-               log_dir: Path | None = None, ready_timeout_s: float = 600.0) -> VllmServer:
+               log_dir: Path | None = None, ready_timeout_s: float = 600.0,
+               extra_args: list[str] | None = None) -> VllmServer:
     """Starts the API server on a free loopback port and waits until /health answers 200."""
     python = vllm_python(venv)
     port = free_port()
@@ -106,7 +107,7 @@ def start_vllm(model_dir: str, setup: str = "default", dtype: str = "float32", m
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-               "--seed", "0"]
+               "--seed", "0", *(extra_args or [])]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = VllmServer(process, f"http://127.0.0.1:{port}", log_path, setup, ours)
