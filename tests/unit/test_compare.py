@@ -59,9 +59,10 @@ def test_engine_in_process_open_loop_waits_for_each_arrival(small_requests):
                                           progress_interval_s=0)
     first = min(r.start_time for r in records)
     offsets = [r.start_time - first for r in records]
-    assert offsets[1] < 0.05
-    assert offsets[2] >= 0.3 and offsets[3] >= 0.3
-    assert offsets[4] >= 0.6
+    assert offsets[1] < 0.2  # with request 0, not the next burst (a step may run between the two adds)
+    # offsets from request 0's own start, a little after the schedule's origin (0.296 s seen in CI)
+    assert offsets[2] >= 0.25 and offsets[3] >= 0.25
+    assert offsets[4] >= 0.55
 
 
 def _served(name: str, tokens: int, seconds: float) -> SystemResult:
