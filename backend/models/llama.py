@@ -255,9 +255,12 @@ class LlamaForCausalLM(nn.Module):
     def prepack_for_cpu(self) -> bool:
         """Runs every projection and lm_head on oneDNN-prepacked weights (see cpu_linear)."""
         layers = [m for m in self.modules() if isinstance(m, Linear)]
-        if not all(layer.prepack() for layer in layers):
+        experts = [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+        if not all(layer.prepack() for layer in layers) or not all(block.prepack() for block in experts):
             for layer in layers:
                 layer.packed_weight = None
+            for block in experts:
+                block.packed = None
             return False
         if self.lm_head is None:  # tied: pack the embedding matrix once more for the logits GEMM
             self.logits_packed = prepack_weight(self.model.embed_tokens.weight)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.models.cpu_linear import Linear, packed_linear, prepack_weight
 from backend.models.family import MoeSpec
 
 
@@ -31,13 +32,21 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.spec = spec
         self.hidden_size = hidden_size
-        self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)
+        self.gate = Linear(hidden_size, spec.num_experts, bias=False)
         inter = spec.intermediate_size
         self.experts_gate_up = nn.Parameter(torch.empty(spec.num_experts, 2 * inter, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(spec.num_experts, hidden_size, inter))
         self.act = activation_fn(activation)
         self.shared_expert = shared_expert  # Qwen2-MoE: a dense MLP every token also runs, gated
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN-packed (CPU)
+
+    def prepack(self) -> bool:
+        """Each expert's two GEMMs on oneDNN-prepacked weights, as every Linear (cpu_linear.py)."""
+        packed = [(prepack_weight(self.experts_gate_up[e]), prepack_weight(self.experts_down[e]))
+                  for e in range(self.spec.num_experts)]
+        self.packed = None if any(w is None for pair in packed for w in pair) else packed
+        return self.packed is not None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [num_tokens, top_k] float32, expert ids [num_tokens, top_k] int64)."""
@@ -65,9 +74,14 @@ class SparseMoeBlock(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            gate_up = F.linear(routed[start:end], self.experts_gate_up[expert])  # [count, 2 * inter]
+            if self.packed is not None:
+                gate_up = packed_linear(routed[start:end], self.packed[expert][0], None)  # [count, 2 * inter]
+            else:
+                gate_up = F.linear(routed[start:end], self.experts_gate_up[expert])
             hidden = self.act(gate_up[:, :inter]) * gate_up[:, inter:]
-            down = F.linear(hidden, self.experts_down[expert]) * pair_weight[start:end]  # [count, hidden_size]
+            down = (packed_linear(hidden, self.packed[expert][1], None) if self.packed is not None
+                    else F.linear(hidden, self.experts_down[expert]))
+            down = down * pair_weight[start:end]  # [count, hidden_size]
             out.index_add_(0, token_of[start:end], down.to(x.dtype))
             start = end
         if self.shared_expert is not None:

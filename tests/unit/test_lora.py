@@ -26,6 +26,7 @@ from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
 from backend.lora.registry import LoRAConfigError, read_registry
 from backend.models.demo_model import DEMO_REPOSITORY
+from backend.paths import REPO_ROOT
 from tests.lora_adapters import ADAPTERS, make_adapters
 
 MAX_TOKENS = 10
@@ -222,3 +223,22 @@ def test_speculation_under_adapters_keeps_each_adapters_tokens(adapters):
     stats = speculating.stats()
     assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
     speculating.close()
+
+
+def test_smollm2_adapters_alone_and_mixed_equal_peft(tmp_path):
+    """The real default model (float32): a rank-16 adapter on every projection and a rank-8 one on
+    q/v, each alone and mixed with base requests in one batch, against transformers + peft."""
+    from backend.models.smollm2_model import build  # noqa: PLC0415
+
+    model_dir = str(build())  # made by make setup; a no-op then
+    table = make_adapters(model_dir, tmp_path, names=("qv8", "all16"))
+    llm = LLMEngine(engine_config_from_model_folder(
+        str(REPO_ROOT / "model_repository" / "llm"), enable_lora="true", lora_adapters=str(table),
+        dtype="float32", model_dir=model_dir, tokenizer_dir=model_dir))
+    prompts = [[rng.randrange(10, 49000) for _ in range(n)] for n in (9, 70)]
+    requests = [(prompt, name) for prompt in prompts for name in (None, "qv8", "all16")]
+    results = llm.generate([p for p, _ in requests], [params(n) for _, n in requests])
+    near_ties = assert_parity(model_dir, str(table), requests, results)
+    assert [r.output_token_ids for r in results[:3]] != [results[0].output_token_ids] * 3  # the adapters change it
+    print(f"\nSmolLM2 LoRA: {len(requests)} requests, {near_ties} near-ties")
+    llm.close()

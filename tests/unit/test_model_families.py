@@ -102,6 +102,8 @@ def test_batched_greedy_equals_transformers(model_key, attention):
     expected, gaps = hf_reference(model_key)
     engine = engine_for(model_key, attention=attention)
     assert engine.model_runner.attention_backend.name == attention
+    sparse = [layer.mlp for layer in engine.model_runner.model.model.layers if hasattr(layer.mlp, "experts_down")]
+    assert all(block.packed is not None for block in sparse)  # the experts run on prepacked weights
     near_ties = compare(generate(engine, prompts_for(model_key)), expected, gaps)
     print(f"\n{model_key} ({attention}): {len(LENGTHS)} prompts, {near_ties} near-ties")
 
