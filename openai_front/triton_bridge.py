@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.grpc import InferInput, InferRequestedOutput
@@ -188,6 +189,10 @@ class TritonBridge:
         except InferenceServerException as exc:
             finished = True
             raise ApiError(503, f"tritonserver at {self.url}: {exc.message()}", None, "service_unavailable") from None
+        except grpc.aio.AioRpcError as exc:  # tritonserver dropped the stream (its stub died, or it did)
+            finished = True
+            raise ApiError(503, f"tritonserver at {self.url} ended the stream ({exc.details()}): the request is "
+                                "lost; retry it", None, "service_unavailable", "stream_lost") from None
         finally:
             if not finished:
                 responses.cancel()

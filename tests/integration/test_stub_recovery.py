@@ -144,7 +144,9 @@ def test_kill_9_of_the_stub_reloads_the_model_within_10_s(tmp_path, demo_model_d
             assert outcome.get("status") == 200, outcome
             assert outcome["events"][-1] == "[DONE]", outcome["events"][-3:]
             error = json.loads(outcome["events"][-2])["error"]
-            assert error["code"] == "model_reloaded" and "retry" in error["message"], error
+            # model_reloaded: the stream stayed open and the orphan watch ended it; stream_lost: tritonserver
+            # closed the gRPC stream itself (seen in CI: "Stream removed (Socket closed)")
+            assert error["code"] in ("model_reloaded", "stream_lost") and "retry" in error["message"], error
             assert outcome["error_at"] - killed_at < RECOVERY_LIMIT_SECONDS + 3
         grpc_seen = grpc_outcome.get("exception") or grpc_outcome.get("result")
         assert "ended_at" in grpc_outcome  # the gRPC client gave up on its own timeout, without hanging
