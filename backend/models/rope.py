@@ -33,7 +33,7 @@ def get_rope_parameters(hf_config, rope_key: str = "global") -> dict:
     optional ``rope_scaling`` dict (whose type key is ``type`` or ``rope_type``).
     """
     params = getattr(hf_config, "rope_parameters", None)
-    if params and all(isinstance(value, dict) for value in params.values()):  # per layer type (Gemma 3)
+    if _per_layer_type(hf_config):  # Gemma 3
         params = params.get(LAYER_TYPE_OF_KEY[rope_key]) or params.get("full_attention")
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -101,6 +101,7 @@ def rotary_frequencies(hf_config, rope_key: str, head_size: int,
 
 
 def _per_layer_type(hf_config) -> bool:
+    """Whether ``rope_parameters`` holds one dict per layer type rather than one set of settings."""
     params = getattr(hf_config, "rope_parameters", None)
     return bool(params) and all(isinstance(value, dict) for value in params.values())
 
