@@ -39,6 +39,7 @@ class ModelConfig:
     max_model_len: int = 2048  # prompt + output tokens of one request
     seed: int = 0
     max_prompt_bytes: int = 0  # UTF-8 bytes of one prompt; 0: PROMPT_BYTES_PER_TOKEN x max_model_len
+    tensor_parallel_size: int = 1  # ranks the model is split across (backend/parallel)
 
     @property
     def prompt_byte_limit(self) -> int:
@@ -188,6 +189,7 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "max_model_len": ("model", "int", 1),
     "seed": ("model", "int", 0),
     "max_prompt_bytes": ("model", "int", 0),
+    "tensor_parallel_size": ("model", "int", 1),
     "block_size": ("cache", "int", 1),
     "num_kv_blocks": ("cache", "int", 0),
     "kv_cache_memory_mb": ("cache", "int", 0),
@@ -338,6 +340,7 @@ def validate_engine_config(config: EngineConfig) -> None:
             f"({model.max_model_len}) when enable_chunked_prefill is false"
         )
     _validate_speculative(config.speculative)
+    _validate_tensor_parallel(config)
     _validate_kv_events(config.kv_events, cache)
     _validate_kv_transfer(config.kv_transfer, cache)
     _validate_lora(config)
@@ -345,6 +348,21 @@ def validate_engine_config(config: EngineConfig) -> None:
         raise ConfigError(
             f"parameter 'default_max_tokens': must be < max_model_len ({model.max_model_len})"
         )
+
+
+def _validate_tensor_parallel(config: EngineConfig) -> None:
+    """What a tensor-parallel group does not run yet: each of these reads or writes the KV cache, or
+    the adapters' weights, of rank 0 alone."""
+    size = config.model.tensor_parallel_size
+    if size == 1:
+        return
+    refused = [("kv_offload_tier", config.cache.kv_offload_tier != "none"),
+               ("kv_role", config.kv_transfer.kv_role != "both"),
+               ("enable_lora", config.lora.enable_lora)]
+    for name, set_here in refused:
+        if set_here:
+            raise ConfigError(f"parameter '{name}': not with tensor_parallel_size {size} (its KV or adapter "
+                              "transfers would reach rank 0's shard only)")
 
 
 MAX_SPECULATIVE_TOKENS = 16

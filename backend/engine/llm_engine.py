@@ -40,9 +40,9 @@ from backend.engine.step_clock import PhaseClock
 from backend.engine.tokenizer import load_tokenizer
 from backend.kv_cache.event_publisher import publisher_from_config
 from backend.kv_cache.manager import KVCacheManager
-from backend.kv_cache.offload.block_io import PagedBlockIO
 from backend.kv_cache.offload.from_config import build_offloader
 from backend.kv_transfer.from_config import attach_kv_transfer
+from backend.parallel.driver import WorkerLost
 from backend.spec_decode.speculator import Speculator
 from backend.structured_output.spec import StructuredOutputError
 
@@ -79,9 +79,8 @@ class LLMEngine:
         self.offloader = build_offloader(config.cache, self.model_runner.kv_caches, block_size, config.model.model_dir)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching,
                                                self.offloader)
-        block_io = PagedBlockIO(self.model_runner.kv_caches)
-        self.kv_cache_manager.block_io = block_io  # writes blocks loaded from the tier or a prefill engine
-        self.kv_cache_manager.copy_blocks = block_io.copy  # copy-on-write
+        self.kv_cache_manager.block_io = self.model_runner.block_io  # writes blocks loaded from the tier or a prefill engine
+        self.kv_cache_manager.copy_blocks = self.model_runner.copy_blocks  # copy-on-write, on every rank
         # Disaggregated serving (kv_role): a prefill engine's transfer server or a decode engine's puller.
         self.kv_transfer = attach_kv_transfer(config.kv_transfer, self.kv_cache_manager, self.model_runner.kv_caches,
                                               block_size)
@@ -265,6 +264,7 @@ class LLMEngine:
         (idempotent)."""
         if self.structured_output is not None:
             self.structured_output.close()
+        self.model_runner.close()  # a tensor-parallel group's other ranks
         if self.kv_transfer is not None:
             self.kv_transfer.close()
         if self.kv_event_publisher is not None:
@@ -290,6 +290,8 @@ class LLMEngine:
         self._step_requests = None
         try:
             return self.step(timings)
+        except WorkerLost:  # no request is to blame and no step can run: whoever drives the engine restarts it
+            raise
         except Exception as exc:
             logger.exception("engine step failed")
             message = internal_error_message(exc)

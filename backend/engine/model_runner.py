@@ -130,6 +130,11 @@ class ModelRunner:
         self.prompt_logprobs: dict[int, tuple[int, list[float]]] = {}  # of the last execute(): see _prompt_logprobs
         self.lora = None  # backend/lora/manager.py LoRAManager, see attach_lora
         self._row_adapters: list[str | None] = []  # of the last prepare(): each row's adapter
+        self.tensor_parallel = None  # rank 0 of a group: backend/parallel/driver.py, see load()
+        self._pinned = None  # rank 0's affinity and thread count before the group pinned it
+        from backend.kv_cache.offload.block_io import PagedBlockIO  # noqa: PLC0415
+
+        self.block_io = PagedBlockIO(self.kv_caches)
         if self.device.type == "cpu":
             tune_cpu_allocator()
 
@@ -143,41 +148,107 @@ class ModelRunner:
 
     @classmethod
     def load(cls, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int) -> ModelRunner:
-        """Device, dtype, attention backend, weights, KV sizing and allocation from the config.
+        """Device, dtype, attention backend, weights, KV sizing and allocation from the config; with
+        ``tensor_parallel_size`` > 1 this runner is rank 0 and starts the other ranks
+        (backend/parallel/driver.py), each with its shard and the same KV block count.
 
         Raises ConfigError naming the parameter when the model cannot be served as configured.
         """
-        from backend.attention.selector import get_attention_backend  # noqa: PLC0415
-        from backend.models.loader import ModelLoadError, load_config, load_model, resolve_dtype  # noqa: PLC0415
+        from backend.parallel.shard import TensorShard, local_shape  # noqa: PLC0415
 
         device = resolve_device(model_config.device)
+        hf_config, dtype = cls._read_config(model_config, device)
+        size = model_config.tensor_parallel_size
+        shape = local_shape(ModelShape.of(hf_config), TensorShard(0, size))
+        bytes_per_block = shape.kv_cache_bytes_per_block(cache_config.block_size, dtype)
+        num_blocks = size_kv_cache(cache_config, bytes_per_block, device, max_num_seqs, model_config.max_model_len)
+        if size == 1:
+            return cls.load_rank(model_config, cache_config.block_size, num_blocks, TensorShard(), device)
+        from backend.parallel import group  # noqa: PLC0415
+        from backend.parallel.driver import TensorParallelDriver, WorkerStartError  # noqa: PLC0415
+
+        device = group.rank_device(device, 0)
+        pinned = group.pin(0) if device.type == "cpu" else None
+        driver = None
+        try:
+            driver = TensorParallelDriver(model_config, cache_config.block_size, num_blocks, size, device)
+            runner = cls.load_rank(model_config, cache_config.block_size, num_blocks, driver.shard, device)
+            driver.wait_ready()
+        except WorkerStartError as exc:
+            cls._release(driver, pinned)
+            raise ConfigError(f"parameter 'tensor_parallel_size': {exc}") from None
+        except BaseException:
+            cls._release(driver, pinned)
+            raise
+        runner.tensor_parallel, runner._pinned = driver, pinned
+        return runner
+
+    @staticmethod
+    def _release(driver, pinned) -> None:
+        from backend.parallel import group  # noqa: PLC0415
+
+        if driver is not None:
+            driver.close()
+        if pinned is not None:
+            group.unpin(pinned)
+
+    @staticmethod
+    def _read_config(model_config: ModelConfig, device: torch.device):
+        """(the checkpoint's config, the dtype to run in); ConfigError naming the parameter."""
+        from backend.models.loader import ModelLoadError, load_config, resolve_dtype  # noqa: PLC0415
+        from backend.parallel.shard import check_shardable  # noqa: PLC0415
+
         if not os.path.isdir(model_config.model_dir):
             raise ConfigError(f"parameter 'model_dir': {model_config.model_dir} is not a folder")
         try:
             hf_config = load_config(model_config.model_dir, model_config.max_model_len)
         except ModelLoadError as exc:
             raise ConfigError(f"parameter 'model_dir': {exc}") from None
-        dtype = resolve_dtype(model_config.dtype, hf_config, device)
         try:
-            shape = ModelShape.of(hf_config)
+            check_shardable(hf_config, model_config.tensor_parallel_size)
+        except ModelLoadError as exc:
+            raise ConfigError(f"parameter 'tensor_parallel_size': {exc}") from None
+        return hf_config, resolve_dtype(model_config.dtype, hf_config, device)
+
+    @classmethod
+    def load_rank(cls, model_config: ModelConfig, block_size: int, num_blocks: int, shard, device: torch.device
+                  ) -> ModelRunner:
+        """One rank's runner: its shard of the weights (all of them alone) and ``num_blocks`` KV blocks."""
+        from backend.attention.selector import get_attention_backend  # noqa: PLC0415
+        from backend.models.loader import load_model  # noqa: PLC0415
+        from backend.parallel.shard import local_shape  # noqa: PLC0415
+
+        hf_config, dtype = cls._read_config(model_config, device)
+        try:
+            shape = local_shape(ModelShape.of(hf_config), shard)
             attention_backend = get_attention_backend(
                 model_config.attention_backend, device, shape.head_size, dtype,
-                shape.num_heads // shape.num_kv_heads, cache_config.block_size)
+                shape.num_heads // shape.num_kv_heads, block_size)
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(str(exc)) from None
-        model, _ = load_model(model_config.model_dir, dtype, device, attention_backend, model_config.max_model_len)
+        model, _ = load_model(model_config.model_dir, dtype, device, attention_backend, model_config.max_model_len,
+                              shard=shard)
         kernels = getattr(attention_backend, "kernel", None)  # the CPU kernels, when attention uses them
         fused = kernels is not None and model_config.cpu_fused_ops
         if fused:
             model.use_cpu_kernels(kernels)
-        bytes_per_block = model.shape.kv_cache_bytes_per_block(cache_config.block_size, dtype)
-        num_blocks = size_kv_cache(cache_config, bytes_per_block, device, max_num_seqs, model_config.max_model_len)
-        runner = cls(model, num_blocks, cache_config.block_size)
-        logger.info("model runner ready: device=%s dtype=%s attention=%s fused CPU ops=%s kv_blocks=%d x %d tokens",
-                    device, dtype, getattr(attention_backend, "name", "?"),
-                    "on" if fused else "off", num_blocks,
-                    cache_config.block_size)
+        runner = cls(model, num_blocks, block_size)
+        logger.info("model runner ready: device=%s dtype=%s attention=%s fused CPU ops=%s kv_blocks=%d x %d tokens%s",
+                    device, dtype, getattr(attention_backend, "name", "?"), "on" if fused else "off", num_blocks,
+                    block_size, f", tensor-parallel rank {shard.rank} of {shard.size}" if shard.sharded else "")
         return runner
+
+    def copy_blocks(self, source_ids: Sequence[int], destination_ids: Sequence[int]) -> None:
+        """Copy-on-write of whole blocks, on every rank's share of the cache."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.copy_blocks(source_ids, destination_ids)
+        self.block_io.copy(source_ids, destination_ids)
+
+    def close(self) -> None:
+        """Stops the other ranks of a tensor-parallel group (nothing to do alone). Idempotent."""
+        if self.tensor_parallel is not None:
+            self._release(self.tensor_parallel, self._pinned)
+            self.tensor_parallel = None
 
     @property
     def hf_config(self):
@@ -272,25 +343,48 @@ class ModelRunner:
         if self.lora is not None:
             self.lora_hook.step = self.lora.step_for(self._row_adapters)
         try:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.forward(input_ids, positions, metadata)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden_size]
+        except Exception:
+            self._raise_if_rank_lost()
+            raise
         finally:
             if self.lora is not None:
                 self.lora_hook.step = None
         if self.device.type == "cuda" and timings is not None:
             torch.cuda.synchronize(self.device)
         forwarded = time.perf_counter()
-        self.prompt_logprobs = self._prompt_logprobs(scheduled, hidden)  # before the rows are narrowed to sampling
-        if not sample_rows:
-            logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        else:
-            if len(sample_rows) < hidden.shape[0]:
-                hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device))
-            logits = self.model.compute_logits(hidden)
+        try:
+            self.prompt_logprobs = self._prompt_logprobs(scheduled, hidden)  # before the rows are narrowed to sampling
+            if not sample_rows:
+                logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            else:
+                rows = None
+                if len(sample_rows) < hidden.shape[0]:
+                    rows = torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device)
+                    hidden = hidden.index_select(0, rows)
+                logits = self._logits(hidden, rows)
+        except Exception:
+            self._raise_if_rank_lost()
+            raise
         if timings is not None:
             timings["prepare"] = timings.get("prepare", 0.0) + prepared - start
             timings["forward"] = timings.get("forward", 0.0) + forwarded - prepared
             timings["logits"] = timings.get("logits", 0.0) + time.perf_counter() - forwarded
         return logits, sample_indices
+
+    def _logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:  # hidden: [n, hidden_size] -> [n, vocab] float32
+        """compute_logits of ``hidden`` (the last forward's ``rows``: None for all, an index tensor or a
+        (start, end) slice); the other ranks of a group compute their columns of the same rows."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.logits(rows)
+        return self.model.compute_logits(hidden)
+
+    def _raise_if_rank_lost(self) -> None:
+        """A collective that failed because a worker died is that worker's death (WorkerLost)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.raise_if_lost(wait=2.0)
 
     def _prompt_logprobs(
         self,
@@ -317,7 +411,8 @@ class ModelRunner:
             values = []
             for offset in range(0, last - first, PROMPT_LOGPROBS_ROWS):
                 count = min(PROMPT_LOGPROBS_ROWS, last - first - offset)
-                logits = self.model.compute_logits(hidden[row + offset : row + offset + count]).float()  # [count, vocab]
+                logits = self._logits(hidden[row + offset : row + offset + count],
+                                      (row + offset, row + offset + count))  # [count, vocab]
                 values.extend(chosen_logprobs(logits, targets[offset : offset + count]).tolist())
             found[index] = (first, values)
         return found

@@ -63,7 +63,8 @@ class EngineCore:
     def iterate(self, adds: list[AddRequest], aborts: list[str], step: bool = True) -> list[RequestOutput]:
         """Adds, aborts, ends what outlived the drain deadline, and (``step``) runs one step.
 
-        Returns every output produced: refusals, abort finals, the step's tokens. Never raises.
+        Returns every output produced: refusals, abort finals, the step's tokens. Raises only
+        WorkerLost (a tensor-parallel rank died: no step can run until every rank restarts).
         """
         outputs: list[RequestOutput] = []
         self.num_adds_seen += len(adds)

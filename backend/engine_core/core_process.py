@@ -10,7 +10,9 @@ strings too, see ``process_client``'s docstring for why) and runs one loop on it
    for ``HEARTBEAT_SECONDS`` (the front end declares a silent core hung).
 
 It never waits on the front end: sends are non-blocking into an unbounded queue. It exits when
-asked (``CoreInput.shutdown``), and on its own when its parent is gone (a killed tritonserver
+asked (``CoreInput.shutdown``), when a rank of its tensor-parallel group dies (it writes why in
+``EXIT_REASON_FILE`` for the front end's error, which then restarts it and so every rank), and on
+its own when its parent is gone (a killed tritonserver
 leaves no orphan core): a daemon thread watches the parent pid. A parent that died while its model
 was still serving (a killed stub) first gets tritonserver stopped, see ``stub_watch``.
 """
@@ -26,6 +28,8 @@ import time
 
 HEARTBEAT_SECONDS = 0.5
 PARENT_POLL_SECONDS = 0.5
+EXIT_REASON_FILE = "exit_reason"  # why the core ended itself, for the front end's error (process_handle.py)
+EXIT_RANK_LOST = 3
 
 logger = logging.getLogger("backend.engine_core")
 
@@ -137,7 +141,16 @@ def main(argv: list[str]) -> int:
     logger.info("ready: %d torch threads, %d KV blocks", threads, engine.num_kv_blocks)
     output_socket.send(encoder().encode(CoreReady(os.getpid(), engine.vocab_size, engine.max_model_len,
                                                   engine.num_kv_blocks)))
-    serve(core, input_socket, output_socket, autostep=spec["autostep"])
+    from backend.parallel.driver import WorkerLost  # noqa: PLC0415
+
+    try:
+        serve(core, input_socket, output_socket, autostep=spec["autostep"])
+    except WorkerLost as exc:  # a tensor-parallel rank died: this core ends, its front end restarts every rank
+        logger.error("%s: exiting so that every rank is restarted", exc)
+        with open(os.path.join(workdir, EXIT_REASON_FILE), "w", encoding="utf-8") as handle:
+            handle.write(str(exc))
+        engine.model_runner.tensor_parallel.kill()
+        os._exit(EXIT_RANK_LOST)
     input_socket.close(linger=0)
     output_socket.close()
     context.term()

@@ -152,12 +152,26 @@ class CoreProcess:
         code = self.exit_code()
         if code is None:
             return "it stopped answering"
+        reason = self._exit_reason()
+        if reason:  # the core ended itself and said why (a tensor-parallel rank died)
+            return f"{reason}; the core exited with code {code}"
         if code < 0:
             try:
                 return f"it was killed by {signal.Signals(-code).name}"
             except ValueError:
                 return f"it was killed by signal {-code}"
         return f"it exited with code {code}"
+
+    def _exit_reason(self) -> str:
+        from backend.engine_core.core_process import EXIT_REASON_FILE  # noqa: PLC0415
+
+        if self._workdir is None:
+            return ""
+        try:
+            with open(os.path.join(self._workdir, EXIT_REASON_FILE), encoding="utf-8") as handle:
+                return handle.read(1000).strip()
+        except OSError:
+            return ""
 
     # ------------------------------------------------------------------------------------------
     def terminate(self, timeout: float) -> None:

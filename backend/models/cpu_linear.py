@@ -73,12 +73,14 @@ def _probe(dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that runs on a prepacked weight once :meth:`prepack` succeeded, and adds the
-    running step's LoRA deltas to their rows when it is an adapted projection (``lora_hook``)."""
+    """nn.Linear that runs on a prepacked weight once :meth:`prepack` succeeded, adds the running
+    step's LoRA deltas to their rows when it is an adapted projection (``lora_hook``), and sums its
+    output over a tensor-parallel group when it is row-parallel (``reduce``)."""
 
     packed_weight: torch.Tensor | None = None
     lora_hook = None  # backend/lora/step.py LoRAHook, shared by the model's projections
     lora_key: tuple[int, str] | None = None  # (layer, fused projection name)
+    reduce = None  # tensor-parallel row-parallel projection: the group's all-reduce (backend/parallel/shard.py)
 
     def prepack(self) -> bool:
         self.packed_weight = prepack_weight(self.weight)
@@ -92,4 +94,6 @@ class Linear(nn.Linear):
         hook = self.lora_hook
         if hook is not None and hook.step is not None:
             hook.step.apply(self.lora_key, x, out)
+        if self.reduce is not None:  # this rank's partial sum, before the other ranks' are added
+            self.reduce(out)
         return out

@@ -108,6 +108,7 @@ class CpuDecoderStack:
         hidden_out = None  # the previous layer's MLP output, added to the residual by the next norm
         hook = self.model.lora_hook
         lora = hook.step if hook is not None else None  # this step's LoRA adapters (backend/lora/step.py)
+        reduce = self.model.shard.all_reduce if self.model.shard.sharded else None  # tensor-parallel partial sums
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if hidden_out is None:  # first layer: the residual is the embedding itself
                 rms_norm(dtype_code, p_residual, None, layer.input_norm_weight, p_normed, num_tokens, hidden_size, eps)
@@ -124,6 +125,8 @@ class CpuDecoderStack:
             attn_out = packed_linear(attn.view(num_tokens, self.q_size), *layer.o)
             if lora is not None:
                 lora.apply((index, "o_proj"), attn.view(num_tokens, self.q_size), attn_out)
+            if reduce is not None:
+                reduce(attn_out)
             rms_norm(dtype_code, attn_out.data_ptr(), p_residual, layer.post_norm_weight, p_normed, num_tokens,
                      hidden_size, eps)
             gate_up = packed_linear(normed, *layer.gate_up)
@@ -133,6 +136,8 @@ class CpuDecoderStack:
             hidden_out = packed_linear(act, *layer.down)
             if lora is not None:
                 lora.apply((index, "down_proj"), act, hidden_out)
+            if reduce is not None:
+                reduce(hidden_out)
         out = new(num_tokens, hidden_size)
         rms_norm(dtype_code, hidden_out.data_ptr(), p_residual, self.final_norm_weight, out.data_ptr(), num_tokens,
                  hidden_size, eps)

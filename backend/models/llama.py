@@ -15,6 +15,8 @@ then weight; cos/sin computed in float32) so greedy tokens match ``generate()``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +30,7 @@ from backend.models.family import LayerSpec, ModelFamily
 from backend.models.moe import SparseMoeBlock, activation_fn
 from backend.models.rope import RotaryEmbedding, rotary_frequencies
 from backend.models.shape import ModelShape
+from backend.parallel.shard import TensorShard, local_shape
 
 
 class RMSNorm(nn.Module):
@@ -78,11 +81,13 @@ def make_norm(family: ModelFamily, size: int, eps: float) -> nn.Module:
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention over this rank's heads (all of them unless tensor-parallel, see backend/parallel)."""
+
     def __init__(self, hf_config, attn_backend: AttentionBackend, qkv_bias: bool, o_bias: bool,
-                 family: ModelFamily | None = None, spec: LayerSpec | None = None):
+                 family: ModelFamily | None = None, spec: LayerSpec | None = None, shape: ModelShape | None = None):
         super().__init__()
         spec = spec or LayerSpec(sliding_window=None, rope_key="global", moe=None)  # None: plain Llama attention
-        shape = ModelShape.of(hf_config)
+        shape = shape or ModelShape.of(hf_config)
         self.num_heads, self.num_kv_heads, self.head_size = shape.num_heads, shape.num_kv_heads, shape.head_size
         self.q_size, self.kv_size = shape.q_size, shape.kv_size
         self.scale = (family and family.attention_scale) or self.head_size**-0.5
@@ -148,27 +153,36 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-def make_mlp(hf_config, family: ModelFamily, spec: LayerSpec, bias: bool) -> nn.Module:
+def make_mlp(hf_config, family: ModelFamily, spec: LayerSpec, bias: bool, shard: TensorShard) -> nn.Module:
+    """The layer's MLP with this rank's share of its intermediate dimension; its partial sums are
+    all-reduced once (by the dense MLP's down_proj, or by the sparse block for all its experts)."""
     if spec.moe is None:
-        return LlamaMLP(hf_config, bias, activation=family.activation)
-    shared = (LlamaMLP(hf_config, bias, spec.moe.shared_intermediate_size, family.activation)
-              if spec.moe.shared_intermediate_size else None)
-    return SparseMoeBlock(hf_config.hidden_size, spec.moe, family.activation, shared)
+        mlp = LlamaMLP(hf_config, bias, hf_config.intermediate_size // shard.size, family.activation)
+        mlp.down_proj.reduce = shard.all_reduce if shard.sharded else None
+        return mlp
+    moe = dataclasses.replace(spec.moe, intermediate_size=spec.moe.intermediate_size // shard.size,
+                              shared_intermediate_size=spec.moe.shared_intermediate_size // shard.size)
+    shared = (LlamaMLP(hf_config, bias, moe.shared_intermediate_size, family.activation)
+              if moe.shared_intermediate_size else None)
+    block = SparseMoeBlock(hf_config.hidden_size, moe, family.activation, shared)
+    block.reduce = shard.all_reduce if shard.sharded else None
+    return block
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 family: ModelFamily, spec: LayerSpec):
+                 family: ModelFamily, spec: LayerSpec, shape: ModelShape, shard: TensorShard):
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.sandwich = family.gemma_norm  # Gemma: norms after attention and around the MLP, plain residual adds
         self.input_layernorm = make_norm(family, hf_config.hidden_size, eps)
-        self.self_attn = LlamaAttention(hf_config, attn_backend, qkv_bias, o_bias, family, spec)
+        self.self_attn = LlamaAttention(hf_config, attn_backend, qkv_bias, o_bias, family, spec, shape)
+        self.self_attn.o_proj.reduce = shard.all_reduce if shard.sharded else None
         self.post_attention_layernorm = make_norm(family, hf_config.hidden_size, eps)
         if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(family, hf_config.hidden_size, eps)
             self.post_feedforward_layernorm = make_norm(family, hf_config.hidden_size, eps)
-        self.mlp = make_mlp(hf_config, family, spec, mlp_bias)
+        self.mlp = make_mlp(hf_config, family, spec, mlp_bias, shard)
 
     def forward(
         self,
@@ -195,11 +209,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 family: ModelFamily):
+                 family: ModelFamily, shape: ModelShape, shard: TensorShard):
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        vocab_rows = shard.vocab_rows(hf_config.vocab_size)[1]  # this rank's share (all of it alone)
+        self.embed_tokens = nn.Embedding(vocab_rows, hf_config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias, family, spec)
+            LlamaDecoderLayer(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias, family, spec, shape, shard)
             for spec in family.layers
         )
         self.norm = make_norm(family, hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -210,6 +225,8 @@ class LlamaForCausalLM(nn.Module):
 
     Build it through :func:`backend.models.loader.load_model`; the constructor allocates
     uninitialised parameters (on the meta device when called under ``torch.device('meta')``).
+    With a ``shard`` of a tensor-parallel group it holds that rank's part of every layer and calls
+    the group's collectives (backend/parallel/shard.py); ``shape`` is then the rank's own.
     """
 
     def __init__(
@@ -219,18 +236,21 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         mlp_bias: bool = False,
+        shard: TensorShard = TensorShard(),
     ):
         super().__init__()
         self.config = hf_config
-        self.shape = ModelShape.of(hf_config)
+        self.shard = shard
+        self.full_shape = ModelShape.of(hf_config)
+        self.shape = local_shape(self.full_shape, shard)
         self.family = ModelFamily.of(hf_config)
         self.attn_backend = attn_backend
-        self.model = LlamaModel(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias, self.family)
+        self.model = LlamaModel(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias, self.family, self.shape, shard)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None  # logits use model.embed_tokens.weight
         else:
-            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            self.lm_head = Linear(hf_config.hidden_size, shard.vocab_rows(hf_config.vocab_size)[1], bias=False)
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary() once the device is known
         self.rotaries: dict[str, RotaryEmbedding] = {}  # by LayerSpec.rope_key ("global" is self.rotary)
         self.embed_scale: torch.Tensor | None = None  # Gemma: sqrt(hidden_size) in the model dtype
@@ -295,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         for rotary in self.rotaries.values():
             rotary.ensure_len(metadata.max_seq_len)
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         if self.cpu_stack is not None and self.cpu_stack.takes(hidden, positions, kv_caches, metadata):
@@ -309,8 +329,22 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] int64 -> [num_tokens, hidden_size]
+        """The embedding; tensor-parallel, each rank looks up the ids in its vocabulary rows and the
+        sum over ranks fills in the rest."""
+        if not self.shard.sharded:
+            return self.model.embed_tokens(input_ids)
+        first, held, _ = self.shard.vocab_rows(self.full_shape.vocab_size)
+        local = input_ids - first
+        outside = (local < 0) | (local >= held)
+        hidden = F.embedding(local.clamp(0, held - 1), self.model.embed_tokens.weight)
+        hidden.masked_fill_(outside.unsqueeze(1), 0)
+        return self.shard.all_reduce(hidden)
+
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden: [n, hidden_size] -> [n, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # hidden: [n, hidden_size] -> [n, vocab] float32
+        """The logits; tensor-parallel, every rank computes its vocabulary columns and rank 0 gets
+        them all (the other ranks get None)."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         elif self.logits_packed is not None:
@@ -320,5 +354,10 @@ class LlamaForCausalLM(nn.Module):
         cap = self.family.final_logit_softcapping
         if cap is not None:  # Gemma's tanh soft-capping, in the model dtype as transformers does
             logits = torch.tanh(logits / cap) * cap
+        if self.shard.sharded:
+            logits = self.shard.gather_columns(logits)
+            if logits is None:
+                return None
+            logits = logits[:, : self.full_shape.vocab_size]
         return logits.float()
 

@@ -26,6 +26,7 @@ from backend.models.family import SUPPORTED_ARCHITECTURES, ModelFamily, ModelLoa
 from backend.models.llama import LlamaForCausalLM
 from backend.models.rope import rotary_frequencies
 from backend.models.shape import ModelShape
+from backend.parallel.shard import TensorShard, check_shardable, shard_checkpoint_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -164,12 +165,15 @@ def load_model(
     attn_backend: AttentionBackend | None = None,
     max_model_len: int | None = None,
     prepack: bool | None = None,
+    shard: TensorShard = TensorShard(),
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Builds the model from ``model_dir`` on ``device`` in ``dtype`` and loads its weights.
 
     ``attn_backend`` defaults to the torch backend; ``max_model_len`` (if known) decides whether a
     sliding-window model can run with full attention; ``prepack`` (default: on the CPU) moves the
-    GEMMs onto oneDNN-prepacked weights where that works (see backend.models.cpu_linear).
+    GEMMs onto oneDNN-prepacked weights where that works (see backend.models.cpu_linear); ``shard``
+    (a rank of a tensor-parallel group) loads only that rank's part of each tensor
+    (backend/parallel/shard.py).
     """
     from safetensors import safe_open
 
@@ -177,6 +181,7 @@ def load_model(
 
     device = torch.device(device)
     hf_config = load_config(model_dir, max_model_len)
+    check_shardable(hf_config, shard.size)
     files = _checkpoint_files(model_dir)
     if attn_backend is None:
         attn_backend = get_attention_backend("auto", device)
@@ -185,7 +190,8 @@ def load_model(
     mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, attn_backend, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias)
+        model = LlamaForCausalLM(hf_config, attn_backend, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+                                 shard=shard)
     model.to(dtype)  # still on meta: free
     model.to_empty(device=device)
     params = dict(model.named_parameters())
@@ -206,7 +212,7 @@ def load_model(
                 if param is None:
                     logger.warning("ignoring checkpoint tensor %s (no such parameter)", ckpt_name)
                     continue
-                tensor = f.get_tensor(ckpt_name)
+                tensor = shard_checkpoint_tensor(ckpt_name, f.get_tensor(ckpt_name), shard, model.full_shape)
                 target = target_of(param.data)
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ModelLoadError(

@@ -7,7 +7,8 @@ to their tokens with one ``index_add_``: no per-token Python, and an expert nobo
 nothing. Experts are stacked in two parameters ([num_experts, 2 * intermediate, hidden] and
 [num_experts, hidden, intermediate]) the loader fills from the per-expert checkpoint tensors;
 nothing here assumes the experts share a device with each other beyond those two tensors (expert
-parallelism would shard their first dimension).
+parallelism would shard their first dimension). Tensor-parallel, each rank holds every expert's
+share of the intermediate dimension and the block's output is summed over the ranks once.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert  # Qwen2-MoE: a dense MLP every token also runs, gated
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN-packed (CPU)
+        self.reduce = None  # tensor-parallel: the group's all-reduce, once for every expert (backend/parallel)
 
     def prepack(self) -> bool:
         """Each expert's two GEMMs on oneDNN-prepacked weights, as every Linear (cpu_linear.py)."""
@@ -86,4 +88,6 @@ class SparseMoeBlock(nn.Module):
             start = end
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.reduce is not None:
+            self.reduce(out)
         return out

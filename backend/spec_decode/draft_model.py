@@ -51,7 +51,8 @@ class DraftModelProposer:
         if runner is None:
             model = dataclasses.replace(config.model, model_dir=spec.speculative_model_dir,
                                         tokenizer_dir=spec.speculative_model_dir,
-                                        dtype=_dtype_name(target.dtype), device=target.device.type)
+                                        dtype=_dtype_name(target.dtype), device=target.device.type,
+                                        tensor_parallel_size=1)  # the draft runs whole, on rank 0
             num_blocks = spec.speculative_num_kv_blocks or target.num_kv_blocks
             cache = CacheConfig(block_size=target.block_size, num_kv_blocks=num_blocks)
             try:
