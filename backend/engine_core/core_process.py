@@ -28,7 +28,6 @@ import time
 
 HEARTBEAT_SECONDS = 0.5
 PARENT_POLL_SECONDS = 0.5
-EXIT_REASON_FILE = "exit_reason"  # why the core ended itself, for the front end's error (process_handle.py)
 EXIT_RANK_LOST = 3
 
 logger = logging.getLogger("backend.engine_core")
@@ -141,6 +140,7 @@ def main(argv: list[str]) -> int:
     logger.info("ready: %d torch threads, %d KV blocks", threads, engine.num_kv_blocks)
     output_socket.send(encoder().encode(CoreReady(os.getpid(), engine.vocab_size, engine.max_model_len,
                                                   engine.num_kv_blocks)))
+    from backend.engine_core.messages import EXIT_REASON_FILE  # noqa: PLC0415
     from backend.parallel.driver import WorkerLost  # noqa: PLC0415
 
     try:

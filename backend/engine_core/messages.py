@@ -13,6 +13,10 @@ import msgspec
 from backend.engine.outputs import EngineStats, RequestOutput
 from backend.engine.request import SamplingParams
 
+# A file in the core's folder where a core that ends itself says why (a tensor-parallel rank died);
+# the front end puts it in the error of every request it fails (process_handle.CoreProcess.describe_exit).
+EXIT_REASON_FILE = "exit_reason"
+
 
 class AddRequest(msgspec.Struct, array_like=True):
     """A checked, tokenized request for the engine (the front end made the sampling check)."""

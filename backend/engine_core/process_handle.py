@@ -24,7 +24,14 @@ from collections.abc import Callable
 import zmq
 
 from backend.config import EngineConfig
-from backend.engine_core.messages import CoreFailed, CoreInput, CoreReady, encoder, message_decoder
+from backend.engine_core.messages import (
+    EXIT_REASON_FILE,
+    CoreFailed,
+    CoreInput,
+    CoreReady,
+    encoder,
+    message_decoder,
+)
 from backend.engine_core.stub_watch import StubWatch
 from backend.paths import REPO_ROOT
 
@@ -163,8 +170,6 @@ class CoreProcess:
         return f"it exited with code {code}"
 
     def _exit_reason(self) -> str:
-        from backend.engine_core.core_process import EXIT_REASON_FILE  # noqa: PLC0415
-
         if self._workdir is None:
             return ""
         try:
