@@ -168,10 +168,11 @@ class ModelRunner:
         from backend.parallel.driver import TensorParallelDriver, WorkerStartError  # noqa: PLC0415
 
         device = group.rank_device(device, 0)
-        pinned = group.pin(0) if device.type == "cpu" else None
+        cores = sorted(os.sched_getaffinity(0))  # before rank 0 pins itself: every rank gets its own
+        pinned = group.pin(0, cores) if device.type == "cpu" else None
         driver = None
         try:
-            driver = TensorParallelDriver(model_config, cache_config.block_size, num_blocks, size, device)
+            driver = TensorParallelDriver(model_config, cache_config.block_size, num_blocks, size, device, cores)
             runner = cls.load_rank(model_config, cache_config.block_size, num_blocks, driver.shard, device)
             driver.wait_ready()
         except WorkerStartError as exc:

@@ -65,6 +65,8 @@ class WorkerSpec:
     rendezvous_file: str
     status_fd: int  # the worker writes 'up', then 'ready' or 'failed: ...' lines here
     parent_pid: int
+    shm_file: str | None  # the shared-memory collectives' file (CPU), see shm.py
+    cores: list[int]  # the cores the group runs on, one per rank (CPU), see group.pin
 
 
 def describe_exit(code: int) -> str:
@@ -77,8 +79,10 @@ def describe_exit(code: int) -> str:
 
 
 class TensorParallelDriver:
-    def __init__(self, model_config, block_size: int, num_blocks: int, size: int, device: torch.device):
-        """Starts ranks 1..size-1 and joins the group as rank 0 (returns once all have joined)."""
+    def __init__(self, model_config, block_size: int, num_blocks: int, size: int, device: torch.device,
+                 cores: list[int]):
+        """Starts ranks 1..size-1 (each pinned to its core of ``cores`` on a CPU) and joins the group
+        as rank 0 (returns once all have joined)."""
         self.size = size
         self.lost: str | None = None
         self._closed = False
@@ -86,10 +90,17 @@ class TensorParallelDriver:
         rendezvous = os.path.join(self._workdir, "rendezvous")
         self.workers: list[subprocess.Popen] = []
         self._status: list[int] = []  # read ends of the workers' status pipes
+        self._shm_file = None
+        self.shard = None
         try:
+            if device.type == "cpu":
+                from backend.parallel.shm import create_file  # noqa: PLC0415
+
+                self._shm_file = create_file(size)
             for rank in range(1, size):
                 read_fd, write_fd = os.pipe()
-                spec = WorkerSpec(model_config, block_size, num_blocks, rank, size, rendezvous, write_fd, os.getpid())
+                spec = WorkerSpec(model_config, block_size, num_blocks, rank, size, rendezvous, write_fd, os.getpid(),
+                                  self._shm_file, cores)
                 path = os.path.join(self._workdir, f"rank{rank}.pkl")
                 with open(path, "wb") as handle:
                     pickle.dump(spec, handle)
@@ -99,7 +110,8 @@ class TensorParallelDriver:
                 os.close(write_fd)
                 self._status.append(read_fd)
             self._expect("up")
-            self.shard = group.join(0, size, rendezvous, device)
+            self.shard = group.join(0, size, rendezvous, device, self._shm_file,
+                                    [0, *(worker.pid for worker in self.workers)])
         except BaseException:
             self.close()
             raise
@@ -134,6 +146,15 @@ class TensorParallelDriver:
         for fd in self._status:
             os.close(fd)
         self._status = []
+        self._unlink_shm()  # every rank has it mapped: nothing is left behind if one is killed
+
+    def _unlink_shm(self) -> None:
+        if self._shm_file is not None:
+            try:
+                os.unlink(self._shm_file)
+            except FileNotFoundError:
+                pass
+            self._shm_file = None
 
     # ----------------------------------------------------------------------------- each step
     def send(self, *command) -> None:
@@ -200,7 +221,8 @@ class TensorParallelDriver:
         for fd in self._status:
             os.close(fd)
         self._status = []
-        group.leave()
+        self._unlink_shm()
+        group.leave(self.shard)
         shutil.rmtree(self._workdir, ignore_errors=True)
 
     def kill(self) -> None:

@@ -45,6 +45,7 @@ class TensorShard:
     size: int = 1
     group: object | None = None
     collective_seconds: list[float] = field(default_factory=lambda: [0.0], compare=False)
+    shm: object | None = field(default=None, compare=False)  # backend/parallel/shm.py, ranks of one CPU host
 
     @property
     def sharded(self) -> bool:
@@ -73,7 +74,10 @@ class TensorShard:
         import torch.distributed as dist  # noqa: PLC0415
 
         start = time.perf_counter()
-        dist.all_reduce(tensor, group=self.group)
+        if self.shm is not None and self.shm.fits(tensor):
+            self.shm.all_reduce(tensor)
+        else:
+            dist.all_reduce(tensor, group=self.group)
         self.collective_seconds[0] += time.perf_counter() - start
         return tensor
 
@@ -82,11 +86,15 @@ class TensorShard:
         import torch.distributed as dist  # noqa: PLC0415
 
         local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
         start = time.perf_counter()
-        dist.gather(local, parts, dst=0, group=self.group)
+        if self.shm is not None and self.shm.fits(local):
+            gathered = self.shm.gather_columns(local)
+        else:
+            parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+            dist.gather(local, parts, dst=0, group=self.group)
+            gathered = torch.cat(parts, dim=1) if parts is not None else None
         self.collective_seconds[0] += time.perf_counter() - start
-        return torch.cat(parts, dim=1) if parts is not None else None
+        return gathered
 
 
 def check_shardable(hf_config, size: int) -> None:

@@ -84,9 +84,10 @@ def main(argv: list[str]) -> int:
 
     device = group.rank_device(resolve_device(spec.model_config.device), spec.rank)
     if device.type == "cpu":
-        group.pin(spec.rank)
+        group.pin(spec.rank, spec.cores)
     status.write("up\n")
-    shard = group.join(spec.rank, spec.size, spec.rendezvous_file, device)
+    shard = group.join(spec.rank, spec.size, spec.rendezvous_file, device, spec.shm_file,
+                       [spec.parent_pid] + [0] * (spec.size - 1))  # rank 0 watches the others
     try:
         runner = ModelRunner.load_rank(spec.model_config, spec.block_size, spec.num_blocks, shard, device)
     except Exception as exc:  # noqa: BLE001 - said to rank 0, which fails the start with it
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> int:
     logger.info("rank %d of %d ready on %s: %d KV blocks, %d torch threads", spec.rank, spec.size, device,
                 spec.num_blocks, torch.get_num_threads())
     serve(runner, sys.stdin.buffer)
-    group.leave()
+    group.leave(shard)
     return 0
 
 

@@ -219,6 +219,9 @@ def test_a_worker_killed_mid_stream_ends_each_request_once_and_every_rank_restar
     client.on_restart = restarts.append
     try:
         (old_worker,) = worker_pids() - before
+        if len(os.sched_getaffinity(0)) >= 2:  # each rank on its own core
+            assert os.sched_getaffinity(old_worker) != os.sched_getaffinity(client.core_pid)
+            assert len(os.sched_getaffinity(old_worker)) == len(os.sched_getaffinity(client.core_pid)) == 1
         for i in range(3):
             client.submit(add(f"long{i}", DEMO_PROMPTS[i], max_tokens=1500, ignore_eos=True))
         client.flush()
