@@ -351,18 +351,17 @@ def validate_engine_config(config: EngineConfig) -> None:
 
 
 def _validate_tensor_parallel(config: EngineConfig) -> None:
-    """What a tensor-parallel group does not run yet: each of these reads or writes the KV cache, or
-    the adapters' weights, of rank 0 alone."""
+    """What a tensor-parallel group does not run yet: each of these reads or writes the KV cache of
+    rank 0 alone."""
     size = config.model.tensor_parallel_size
     if size == 1:
         return
     refused = [("kv_offload_tier", config.cache.kv_offload_tier != "none"),
-               ("kv_role", config.kv_transfer.kv_role != "both"),
-               ("enable_lora", config.lora.enable_lora)]
+               ("kv_role", config.kv_transfer.kv_role != "both")]
     for name, set_here in refused:
         if set_here:
-            raise ConfigError(f"parameter '{name}': not with tensor_parallel_size {size} (its KV or adapter "
-                              "transfers would reach rank 0's shard only)")
+            raise ConfigError(f"parameter '{name}': not with tensor_parallel_size {size} (its KV transfers "
+                              "would reach rank 0's share of the cache only)")
 
 
 MAX_SPECULATIVE_TOKENS = 16

@@ -67,7 +67,8 @@ class LLMEngine:
         """
         self.config = config
         torch.manual_seed(config.model.seed)
-        self.model_runner = runner or ModelRunner.load(config.model, config.cache, config.scheduler.max_num_seqs)
+        self.model_runner = runner or ModelRunner.load(config.model, config.cache, config.scheduler.max_num_seqs,
+                                                       config.lora)
         self.tokenizer = load_tokenizer(config.model.tokenizer_dir)
         self.max_model_len = config.model.max_model_len
         self.vocab_size = self.model_runner.shape.vocab_size
@@ -124,7 +125,8 @@ class LLMEngine:
                               f"checkpoints, not on {family.architecture}")
         live = lambda: {r.sampling_params.lora_name for r in (*scheduler.running, *scheduler.waiting)}  # noqa: E731
         try:
-            manager = LoRAManager(self.config.lora, runner.shape, runner.dtype, runner.device, live)
+            manager = LoRAManager(self.config.lora, runner.model.full_shape, runner.dtype, runner.device, live,
+                                  shard=runner.model.shard, local_shape=runner.shape)
         except LoRAConfigError as exc:
             raise ConfigError(str(exc)) from None
         runner.attach_lora(manager)

@@ -147,10 +147,12 @@ class ModelRunner:
         self.model.attach_lora(self.lora_hook)
 
     @classmethod
-    def load(cls, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int) -> ModelRunner:
+    def load(cls, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int,
+             lora_config=None) -> ModelRunner:
         """Device, dtype, attention backend, weights, KV sizing and allocation from the config; with
         ``tensor_parallel_size`` > 1 this runner is rank 0 and starts the other ranks
-        (backend/parallel/driver.py), each with its shard and the same KV block count.
+        (backend/parallel/driver.py), each with its shard and the same KV block count (and, with
+        ``lora_config``, its part of each adapter the steps use).
 
         Raises ConfigError naming the parameter when the model cannot be served as configured.
         """
@@ -172,7 +174,8 @@ class ModelRunner:
         pinned = group.pin(0, cores) if device.type == "cpu" else None
         driver = None
         try:
-            driver = TensorParallelDriver(model_config, cache_config.block_size, num_blocks, size, device, cores)
+            driver = TensorParallelDriver(model_config, cache_config.block_size, num_blocks, size, device, cores,
+                                          lora_config)
             runner = cls.load_rank(model_config, cache_config.block_size, num_blocks, driver.shard, device)
             driver.wait_ready()
         except WorkerStartError as exc:
@@ -345,7 +348,8 @@ class ModelRunner:
             self.lora_hook.step = self.lora.step_for(self._row_adapters)
         try:
             if self.tensor_parallel is not None:
-                self.tensor_parallel.forward(input_ids, positions, metadata)
+                self.tensor_parallel.forward(input_ids, positions, metadata,
+                                             self._row_adapters if self.lora is not None else None)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden_size]
         except Exception:
             self._raise_if_rank_lost()

@@ -104,8 +104,12 @@ def read_adapter_config(entry: AdapterEntry, max_rank: int) -> tuple[int, float,
 
 
 def load_adapter(entry: AdapterEntry, shape: ModelShape, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> LoRAAdapter:
-    """The adapter in ``entry``'s folder, checked against ``shape``, in the fused layout."""
+                 device: torch.device, shard=None, local: ModelShape | None = None) -> LoRAAdapter:
+    """The adapter in ``entry``'s folder, checked against ``shape`` (the whole model's), in the fused
+    layout. A tensor-parallel ``shard`` (``local``: its shape) keeps its part, sliced like the layer
+    it adapts: B by output rows where the layer is column-parallel (q/k/v, gate/up), A by input
+    columns where it is row-parallel (o, down; the rank's partial delta is summed with the layer's)."""
+    from backend.parallel.shard import shard_checkpoint_tensor  # noqa: PLC0415
     rank, scaling, targets = read_adapter_config(entry, max_rank)
     where = f"adapter {entry.name!r} ({entry.path})"
     path = os.path.join(entry.path, WEIGHTS_FILE)
@@ -129,26 +133,37 @@ def load_adapter(entry: AdapterEntry, shape: ModelShape, max_rank: int, dtype: t
                                   f"targets {', '.join(targets)})")
         parts.setdefault((layer, module), {})[which] = tensor
     sizes = _fused_sizes(shape)
+    local_sizes = _fused_sizes(local or shape)
+    sharded = shard is not None and shard.sharded
     adapter = LoRAAdapter(entry.name, rank, scaling, digest, targets)
     for layer in range(shape.num_layers):
         for fused, names in FUSED.items():
             if not any(name in targets for name in names):
                 continue
             in_features, outs = sizes[fused]
-            a = torch.zeros(len(names) * rank, in_features, dtype=torch.float32)
-            b = torch.zeros(sum(outs), len(names) * rank, dtype=torch.float32)
+            row_parallel = fused in ("o_proj", "down_proj")
+            a = torch.zeros(len(names) * rank, local_sizes[fused][0], dtype=torch.float32)
+            b = torch.zeros(sum(local_sizes[fused][1]), len(names) * rank, dtype=torch.float32)
             row = 0
-            for index, (name, out_features) in enumerate(zip(names, outs, strict=True)):
+            for index, (name, out_features) in enumerate(zip(names, local_sizes[fused][1], strict=True)):
                 if name in targets:
                     pair = parts.get((layer, name), {})
                     if set(pair) != {"A", "B"}:
                         raise LoRAConfigError(f"{where}: layer {layer} {name} lacks lora_{'A' if 'A' not in pair else 'B'}")
-                    if tuple(pair["A"].shape) != (rank, in_features) or tuple(pair["B"].shape) != (out_features, rank):
+                    whole_out = outs[index]
+                    if tuple(pair["A"].shape) != (rank, in_features) or tuple(pair["B"].shape) != (whole_out, rank):
                         raise LoRAConfigError(
                             f"{where}: layer {layer} {name}: lora_A {tuple(pair['A'].shape)} and lora_B "
-                            f"{tuple(pair['B'].shape)} do not fit [{rank}, {in_features}] and [{out_features}, {rank}]")
-                    a[index * rank:(index + 1) * rank] = pair["A"].float()
-                    b[row:row + out_features, index * rank:(index + 1) * rank] = pair["B"].float() * scaling
+                            f"{tuple(pair['B'].shape)} do not fit [{rank}, {in_features}] and [{whole_out}, {rank}]")
+                    lora_a, lora_b = pair["A"], pair["B"]
+                    if sharded:  # named as the layer's weight, so the layer's rule slices it
+                        weight_name = f"model.layers.{layer}.x.{name}.weight"
+                        if row_parallel:
+                            lora_a = shard_checkpoint_tensor(weight_name, lora_a, shard, shape)
+                        else:
+                            lora_b = shard_checkpoint_tensor(weight_name, lora_b, shard, shape)
+                    a[index * rank:(index + 1) * rank] = lora_a.float()
+                    b[row:row + out_features, index * rank:(index + 1) * rank] = lora_b.float() * scaling
                 row += out_features
             adapter.weights[(layer, fused)] = (a.to(device=device, dtype=dtype).contiguous(),
                                                b.to(device=device, dtype=dtype).contiguous())

@@ -47,10 +47,13 @@ def root_hash(adapter: LoRAAdapter) -> BlockHash:
 
 class LoRAManager:
     def __init__(self, config: LoRAConfig, shape: ModelShape, dtype: torch.dtype, device: torch.device,
-                 live: Callable[[], set[str | None]], registry: AdapterRegistry | None = None) -> None:
-        """``live()``: the adapters of the requests the engine holds (never evicted)."""
+                 live: Callable[[], set[str | None]], registry: AdapterRegistry | None = None,
+                 shard=None, local_shape: ModelShape | None = None) -> None:
+        """``live()``: the adapters of the requests the engine holds (never evicted); ``shape`` is the
+        whole model's; a tensor-parallel rank's ``shard`` and ``local_shape`` keep its part of each adapter."""
         self.config = config
         self.shape, self.dtype, self.device = shape, dtype, device
+        self.shard, self.local_shape = shard, local_shape
         self.registry = registry if registry is not None else read_registry(config.lora_adapters)
         self.live = live
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
@@ -66,7 +69,8 @@ class LoRAManager:
             if entry is None:
                 raise LoRAConfigError(f"lora_name: {name!r} is not an adapter of this model")
             start = time.perf_counter()
-            adapter = load_adapter(entry, self.shape, self.config.max_lora_rank, self.dtype, self.device)
+            adapter = load_adapter(entry, self.shape, self.config.max_lora_rank, self.dtype, self.device,
+                                   self.shard, self.local_shape)
             seconds = time.perf_counter() - start
             with self._lock:
                 self.stats.loads += 1

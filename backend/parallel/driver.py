@@ -67,6 +67,7 @@ class WorkerSpec:
     parent_pid: int
     shm_file: str | None  # the shared-memory collectives' file (CPU), see shm.py
     cores: list[int]  # the cores the group runs on, one per rank (CPU), see group.pin
+    lora_config: object | None  # backend.config.LoRAConfig when adapters are served
 
 
 def describe_exit(code: int) -> str:
@@ -80,7 +81,7 @@ def describe_exit(code: int) -> str:
 
 class TensorParallelDriver:
     def __init__(self, model_config, block_size: int, num_blocks: int, size: int, device: torch.device,
-                 cores: list[int]):
+                 cores: list[int], lora_config=None):
         """Starts ranks 1..size-1 (each pinned to its core of ``cores`` on a CPU) and joins the group
         as rank 0 (returns once all have joined)."""
         self.size = size
@@ -100,7 +101,7 @@ class TensorParallelDriver:
             for rank in range(1, size):
                 read_fd, write_fd = os.pipe()
                 spec = WorkerSpec(model_config, block_size, num_blocks, rank, size, rendezvous, write_fd, os.getpid(),
-                                  self._shm_file, cores)
+                                  self._shm_file, cores, lora_config)
                 path = os.path.join(self._workdir, f"rank{rank}.pkl")
                 with open(path, "wb") as handle:
                     pickle.dump(spec, handle)
@@ -170,8 +171,9 @@ class TensorParallelDriver:
                 self.raise_if_lost(wait=1.0)
                 raise WorkerLost(f"tensor-parallel rank {rank} stopped reading its steps") from None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> None:
-        self.send("forward", input_ids, positions, metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, row_adapters=None) -> None:
+        """``row_adapters``: each row's LoRA adapter name (None: the base model), or None without LoRA."""
+        self.send("forward", input_ids, positions, metadata, row_adapters)
 
     def logits(self, rows) -> None:
         """``rows``: None (every row of the last forward), an index tensor, or a (start, end) slice."""

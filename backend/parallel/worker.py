@@ -53,8 +53,16 @@ def serve(runner, stream) -> None:
                 return
             name = command[0]
             if name == "forward":
-                _, input_ids, positions, metadata = command
-                hidden = model(input_ids, positions, runner.kv_caches, metadata)
+                _, input_ids, positions, metadata, row_adapters = command
+                if runner.lora is not None:  # this rank's part of the step's adapters, loaded on first use
+                    for adapter in set(row_adapters) - {None}:
+                        runner.lora.require(adapter)
+                    runner.lora_hook.step = runner.lora.step_for(row_adapters)
+                try:
+                    hidden = model(input_ids, positions, runner.kv_caches, metadata)
+                finally:
+                    if runner.lora is not None:
+                        runner.lora_hook.step = None
             elif name == "logits":
                 rows = command[1]
                 if rows is None:
@@ -94,6 +102,11 @@ def main(argv: list[str]) -> int:
         logger.exception("loading the shard failed")
         status.write(f"failed: {type(exc).__name__}: {exc}".replace("\n", " ") + "\n")
         return 1
+    if spec.lora_config is not None and spec.lora_config.enable_lora:
+        from backend.lora.manager import LoRAManager  # noqa: PLC0415
+
+        runner.attach_lora(LoRAManager(spec.lora_config, runner.model.full_shape, runner.dtype, runner.device,
+                                       live=set, shard=shard, local_shape=runner.shape))
     status.write("ready\n")
     status.close()
     logger.info("rank %d of %d ready on %s: %d KV blocks, %d torch threads", spec.rank, spec.size, device,

@@ -112,6 +112,19 @@ def test_a_mixed_batch_of_the_base_and_adapters_equals_peft(demo_model_dir, adap
     llm.close()
 
 
+def test_a_mixed_batch_at_tensor_parallel_size_2_equals_peft(demo_model_dir, adapters):
+    """Each rank holds its slice of every adapter (B by rows for q/k/v and gate/up, A by columns for
+    o and down) and loads an adapter on its first step that names it."""
+    llm = engine(adapters, max_loras="4", max_num_batched_tokens="48", tensor_parallel_size="2")
+    try:
+        requests = [(prompt, name) for prompt in PROMPTS for name in (None, *ADAPTERS)]
+        results = llm.generate([p for p, _ in requests], [params(n) for _, n in requests])
+    finally:
+        llm.close()
+    near_ties = assert_parity(demo_model_dir, adapters, requests, results)
+    print(f"\nLoRA mixed batch at tensor_parallel_size 2: {len(requests)} requests, {near_ties} near-ties")
+
+
 def test_two_adapters_never_share_a_cached_block(adapters):
     llm = engine(adapters)
     prompt = PROMPTS[2]  # 8 full blocks

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from backend.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from backend.config import LoRAConfig, engine_config_from_model_folder
+from backend.config import KVTransferConfig, engine_config_from_model_folder, validate_engine_config
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
 from backend.engine_core.admission import BusyError
@@ -109,10 +109,8 @@ def test_sizes_that_do_not_divide_are_refused_naming_both_numbers(demo_model_dir
     base = engine_config_from_model_folder(str(DEMO_REPOSITORY / "llm"))
     with pytest.raises(ConfigError, match=r"tensor_parallel_size.*3 does not divide the model's 8 query heads"):
         LLMEngine(with_size(base, 3))
-    with pytest.raises(ConfigError, match=r"'enable_lora': not with tensor_parallel_size 2"):
-        from backend.config import validate_engine_config
-
-        validate_engine_config(dataclasses.replace(with_size(base, 2), lora=LoRAConfig(enable_lora=True)))
+    with pytest.raises(ConfigError, match=r"'kv_role': not with tensor_parallel_size 2"):
+        validate_engine_config(dataclasses.replace(with_size(base, 2), kv_transfer=KVTransferConfig(kv_role="prefill")))
 
 
 def test_each_rank_holds_its_share_and_kv_heads_replicate_below_the_rank_count():
