@@ -345,7 +345,7 @@ class ModelRunner:
         input_ids, positions, metadata, sample_rows, sample_indices = self.prepare(scheduled)
         prepared = time.perf_counter()
         if self.lora is not None:
-            self.lora_hook.step = self.lora.step_for(self._row_adapters)
+            self.lora_hook.step = self.lora.step_for(self._row_adapters, metadata.num_decodes)
         try:
             if self.tensor_parallel is not None:
                 self.tensor_parallel.forward(input_ids, positions, metadata,

@@ -22,6 +22,7 @@ from backend.config import LoRAConfig
 from backend.kv_cache.block_pool import BlockHash
 from backend.lora.adapter import LoRAAdapter, load_adapter
 from backend.lora.registry import AdapterRegistry, LoRAConfigError, read_registry
+from backend.lora.slots import LoRASlots
 from backend.lora.step import LoRAStep, segments_of
 from backend.models.shape import ModelShape
 
@@ -54,6 +55,7 @@ class LoRAManager:
         self.config = config
         self.shape, self.dtype, self.device = shape, dtype, device
         self.shard, self.local_shape = shard, local_shape
+        self.slots = LoRASlots(config.max_loras, config.max_lora_rank, dtype, device)  # the decodes' batched path
         self.registry = registry if registry is not None else read_registry(config.lora_adapters)
         self.live = live
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
@@ -95,12 +97,24 @@ class LoRAManager:
             if name not in live:
                 del self.loaded[name]
 
-    def step_for(self, row_adapters: list[str | None]) -> LoRAStep | None:
-        """The step's LoRAStep from each row's adapter (None: the base model); None without adapters."""
-        runs = segments_of(row_adapters)
-        if not runs:
+    def step_for(self, row_adapters: list[str | None], num_decodes: int = 0) -> LoRAStep | None:
+        """The step's LoRAStep from each row's adapter (None: the base model; the first
+        ``num_decodes`` rows are decodes); None without adapters."""
+        decodes = segments_of(row_adapters[:num_decodes])  # one run per adapter: rows are sorted by adapter
+        runs = segments_of(row_adapters[num_decodes:], offset=num_decodes)
+        if not decodes and not runs:
             return None
-        return LoRAStep([(self.loaded[name], segments) for name, segments in runs.items()])
+        step = LoRAStep()
+        if len(decodes) >= 2:
+            names = list(decodes)
+            step.slots = self.slots
+            step.decode_plan = self.slots.plan([self.loaded[name] for name in names],
+                                               [decodes[name][0] for name in names])
+        else:
+            for name, segments in decodes.items():
+                runs.setdefault(name, []).extend(segments)
+        step.groups = [(self.loaded[name], segments) for name, segments in runs.items()]
+        return step
 
     def engine_stats_fields(self, running: set[str | None], waiting: set[str | None]) -> dict:
         """This manager's part of EngineStats, with the adapters of running and waiting requests."""

@@ -57,7 +57,7 @@ def serve(runner, stream) -> None:
                 if runner.lora is not None:  # this rank's part of the step's adapters, loaded on first use
                     for adapter in set(row_adapters) - {None}:
                         runner.lora.require(adapter)
-                    runner.lora_hook.step = runner.lora.step_for(row_adapters)
+                    runner.lora_hook.step = runner.lora.step_for(row_adapters, metadata.num_decodes)
                 try:
                     hidden = model(input_ids, positions, runner.kv_caches, metadata)
                 finally:

@@ -82,18 +82,16 @@ def test_key_check_time_does_not_depend_on_how_much_of_the_key_is_right():
     almost = "Bearer " + "k" * 39 + "x"
     nothing = "Bearer " + "x" * 40
 
-    def median_ns(header: str) -> float:
-        runs = []
-        for _ in range(7):
-            started = time.perf_counter_ns()
-            for _ in range(2000):
-                keys.identify(header)
-            runs.append(time.perf_counter_ns() - started)
-        return statistics.median(runs)
+    def batch_ns(header: str) -> int:
+        started = time.perf_counter_ns()
+        for _ in range(2000):
+            keys.identify(header)
+        return time.perf_counter_ns() - started
 
     for _ in range(2):  # warm up
-        median_ns(almost), median_ns(nothing)
-    ratio = median_ns(almost) / median_ns(nothing)
+        batch_ns(almost), batch_ns(nothing)
+    # the two alternate, so a load that comes and goes on a shared machine slows both alike
+    ratio = statistics.median(batch_ns(almost) / batch_ns(nothing) for _ in range(15))
     assert 0.8 < ratio < 1.25, ratio
     assert keys.identify("Bearer " + "k" * 40) == "key1" and keys.identify(almost) is None
     assert keys.identify(None) is None and keys.identify("Basic kkk") is None
