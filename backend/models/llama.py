@@ -24,10 +24,11 @@ from torch import nn
 from backend.attention.base import AttentionMetadata
 from backend.attention.paged import PagedAttentionBackend as AttentionBackend
 from backend.models import cpu_fused
+from backend.models.activation import activation_fn
 from backend.models.cpu_linear import Linear, packed_linear, prepack_weight
 from backend.models.cpu_stack import CpuDecoderStack
 from backend.models.family import LayerSpec, ModelFamily
-from backend.models.moe import SparseMoeBlock, activation_fn
+from backend.models.moe import SparseMoeBlock
 from backend.models.rope import RotaryEmbedding, rotary_frequencies
 from backend.models.shape import ModelShape
 from backend.parallel.shard import TensorShard, local_shape

@@ -17,15 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.models.activation import activation_fn
 from backend.models.cpu_linear import Linear, packed_linear, prepack_weight
 from backend.models.family import MoeSpec
-
-
-def activation_fn(name: str):
-    """The gated MLP's activation by its config name (family.ACTIVATIONS)."""
-    if name == "gelu_pytorch_tanh":
-        return lambda x: F.gelu(x, approximate="tanh")
-    return F.silu
 
 
 class SparseMoeBlock(nn.Module):
