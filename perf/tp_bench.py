@@ -17,7 +17,6 @@ instead of 9 (SmolLM2's 9 heads split only 3 ways), written by transformers into
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import random
 import statistics

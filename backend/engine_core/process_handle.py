@@ -14,7 +14,6 @@ import logging
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from backend.engine_core.messages import (
 )
 from backend.engine_core.stub_watch import StubWatch
 from backend.paths import REPO_ROOT
+from backend.process_exit import describe_exit_code
 
 logger = logging.getLogger(__name__)
 
@@ -162,12 +162,7 @@ class CoreProcess:
         reason = self._exit_reason()
         if reason:  # the core ended itself and said why (a tensor-parallel rank died)
             return f"{reason}; the core exited with code {code}"
-        if code < 0:
-            try:
-                return f"it was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"it was killed by signal {-code}"
-        return f"it exited with code {code}"
+        return f"it {describe_exit_code(code)}"
 
     def _exit_reason(self) -> str:
         if self._workdir is None:

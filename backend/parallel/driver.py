@@ -25,7 +25,6 @@ import os
 import pickle
 import select
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.parallel import group
+from backend.process_exit import describe_exit_code
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +68,6 @@ class WorkerSpec:
     shm_file: str | None  # the shared-memory collectives' file (CPU), see shm.py
     cores: list[int]  # the cores the group runs on, one per rank (CPU), see group.pin
     lora_config: object | None  # backend.config.LoRAConfig when adapters are served
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 class TensorParallelDriver:
@@ -135,7 +126,7 @@ class TensorParallelDriver:
                 chunk = os.read(fd, 4096)
                 if not chunk:
                     code = self.workers[rank - 1].wait(5)
-                    raise WorkerStartError(f"tensor-parallel rank {rank} {describe_exit(code)} while starting")
+                    raise WorkerStartError(f"tensor-parallel rank {rank} {describe_exit_code(code)} while starting")
                 line += chunk
             text = line.decode("utf-8", "replace").strip()
             if text != word:
@@ -195,7 +186,7 @@ class TensorParallelDriver:
             for rank, worker in enumerate(self.workers, start=1):
                 code = worker.poll()
                 if code is not None and self.lost is None and not self._closed:
-                    self.lost = f"tensor-parallel rank {rank} (pid {worker.pid}) {describe_exit(code)}"
+                    self.lost = f"tensor-parallel rank {rank} (pid {worker.pid}) {describe_exit_code(code)}"
                     logger.error("%s: the group cannot run another step", self.lost)
             time.sleep(WATCH_SECONDS)
 

@@ -26,6 +26,7 @@ import os
 import signal
 import time
 
+from backend.process_exit import describe_exit_code
 from backend.structured_output.spec import (
     StructuredOutputError,
     StructuredOutputSpec,
@@ -170,12 +171,7 @@ class CompileWorker:
         code = process.exitcode
         if code is None:
             return "stopped answering"
-        if code < 0:
-            try:
-                return f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with code {code}"
+        return describe_exit_code(code)
 
 
 def _cpu_seconds(pid: int) -> float | None:

@@ -58,7 +58,7 @@ def test_all_reduce_gives_every_rank_the_same_sum_many_times(kernels, dtype):
     for step in range(50):  # slots alternate: a rank racing ahead never overwrites what the other reads
         parts = [torch.randn(7 + step, 33, generator=gen).to(dtype) for _ in range(2)]
         tensors = [p.clone() for p in parts]
-        run_both([lambda r=r: ranks[r].all_reduce(tensors[r]) for r in range(2)])
+        run_both([lambda r=r, t=tensors: ranks[r].all_reduce(t[r]) for r in range(2)])
         expected = (parts[0].float() + parts[1].float()).to(dtype)
         assert torch.equal(tensors[0], tensors[1])
         assert torch.equal(tensors[0], expected)

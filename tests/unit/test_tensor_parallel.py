@@ -22,20 +22,28 @@ import time
 import pytest
 import torch
 
-from backend.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from backend.config import KVTransferConfig, engine_config_from_model_folder, validate_engine_config
+from backend.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    engine_config_from_model_folder,
+    validate_engine_config,
+)
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
 from backend.engine_core.admission import BusyError
 from backend.engine_core.messages import AddRequest
 from backend.engine_core.process_client import ProcessClient
-from backend.parallel.shard import TensorShard, local_shape
 from backend.models.shape import ModelShape
+from backend.parallel.shard import TensorShard, local_shape
 from tests.conftest import DEMO_REPOSITORY
 from tests.unit import test_model_families as families
 from tests.unit import test_real_model_parity as real
 from tests.unit.random_models import build_random_model, get_random_model
-from tests.unit.test_real_model_parity import real_model_dir  # noqa: F401  (the fixture)
 
 WORKER_MODULE = b"backend.parallel.worker"
 
@@ -126,8 +134,15 @@ def test_each_rank_holds_its_share_and_kv_heads_replicate_below_the_rank_count()
 
 
 # --------------------------------------------------------------------------------- SmolLM2 at size 3
-def test_smollm2_at_size_3_equals_transformers(real_model_dir):
-    folder = str(real_model_dir)
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    from backend.models.smollm2_model import build
+
+    return build()  # made by make setup; a no-op then
+
+
+def test_smollm2_at_size_3_equals_transformers(smollm2_dir):
+    folder = str(smollm2_dir)
     expected, gaps = real.hf_reference(folder)
     engine = LLMEngine(EngineConfig(
         model=ModelConfig(model_dir=folder, tokenizer_dir=folder, dtype="float32", device="cpu",
