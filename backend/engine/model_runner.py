@@ -115,6 +115,19 @@ def tune_cpu_allocator() -> None:
     _ALLOCATOR_TUNED = True
 
 
+def select_rows(
+    hidden: torch.Tensor,  # [num_tokens, hidden_size]
+    rows: torch.Tensor | tuple[int, int] | None,  # index tensor [n] int64, a (start, end) slice, or None: all
+) -> torch.Tensor:  # [n, hidden_size]
+    """The rows of a forward's hidden states that get logits: what rank 0 scores and what it tells
+    the other ranks of a tensor-parallel group to score (backend/parallel/worker.py)."""
+    if rows is None:
+        return hidden
+    if isinstance(rows, tuple):
+        return hidden[rows[0] : rows[1]]
+    return hidden.index_select(0, rows)
+
+
 class ModelRunner:
     """Runs the model over its paged KV cache for one scheduled step at a time."""
 
@@ -165,7 +178,8 @@ class ModelRunner:
         bytes_per_block = shape.kv_cache_bytes_per_block(cache_config.block_size, dtype)
         num_blocks = size_kv_cache(cache_config, bytes_per_block, device, max_num_seqs, model_config.max_model_len)
         if size == 1:
-            return cls.load_rank(model_config, cache_config.block_size, num_blocks, TensorShard(), device)
+            return cls.load_rank(model_config, cache_config.block_size, num_blocks, TensorShard(), device,
+                                 (hf_config, dtype))
         from backend.parallel import group  # noqa: PLC0415
         from backend.parallel.driver import TensorParallelDriver, WorkerStartError  # noqa: PLC0415
 
@@ -176,7 +190,8 @@ class ModelRunner:
         try:
             driver = TensorParallelDriver(model_config, cache_config.block_size, num_blocks, size, device, cores,
                                           lora_config)
-            runner = cls.load_rank(model_config, cache_config.block_size, num_blocks, driver.shard, device)
+            runner = cls.load_rank(model_config, cache_config.block_size, num_blocks, driver.shard, device,
+                                   (hf_config, dtype))
             driver.wait_ready()
         except WorkerStartError as exc:
             cls._release(driver, pinned)
@@ -215,14 +230,15 @@ class ModelRunner:
         return hf_config, resolve_dtype(model_config.dtype, hf_config, device)
 
     @classmethod
-    def load_rank(cls, model_config: ModelConfig, block_size: int, num_blocks: int, shard, device: torch.device
-                  ) -> ModelRunner:
-        """One rank's runner: its shard of the weights (all of them alone) and ``num_blocks`` KV blocks."""
+    def load_rank(cls, model_config: ModelConfig, block_size: int, num_blocks: int, shard, device: torch.device,
+                  config_and_dtype: tuple | None = None) -> ModelRunner:
+        """One rank's runner: its shard of the weights (all of them alone) and ``num_blocks`` KV blocks.
+        ``config_and_dtype``: what ``_read_config`` gave the caller already (a worker reads its own)."""
         from backend.attention.selector import get_attention_backend  # noqa: PLC0415
         from backend.models.loader import load_model  # noqa: PLC0415
         from backend.parallel.shard import local_shape  # noqa: PLC0415
 
-        hf_config, dtype = cls._read_config(model_config, device)
+        hf_config, dtype = config_and_dtype or cls._read_config(model_config, device)
         try:
             shape = local_shape(ModelShape.of(hf_config), shard)
             attention_backend = get_attention_backend(
@@ -368,7 +384,6 @@ class ModelRunner:
                 rows = None
                 if len(sample_rows) < hidden.shape[0]:
                     rows = torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device)
-                    hidden = hidden.index_select(0, rows)
                 logits = self._logits(hidden, rows)
         except Exception:
             self._raise_if_rank_lost()
@@ -379,12 +394,12 @@ class ModelRunner:
             timings["logits"] = timings.get("logits", 0.0) + time.perf_counter() - forwarded
         return logits, sample_indices
 
-    def _logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:  # hidden: [n, hidden_size] -> [n, vocab] float32
-        """compute_logits of ``hidden`` (the last forward's ``rows``: None for all, an index tensor or a
-        (start, end) slice); the other ranks of a group compute their columns of the same rows."""
+    def _logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:  # hidden: [num_tokens, hidden_size]
+        """compute_logits [len(rows), vocab] float32 of ``hidden``'s ``rows`` (see select_rows); the
+        other ranks of a group compute their columns of the same rows."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.logits(rows)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(select_rows(hidden, rows))
 
     def _raise_if_rank_lost(self) -> None:
         """A collective that failed because a worker died is that worker's death (WorkerLost)."""
@@ -416,8 +431,7 @@ class ModelRunner:
             values = []
             for offset in range(0, last - first, PROMPT_LOGPROBS_ROWS):
                 count = min(PROMPT_LOGPROBS_ROWS, last - first - offset)
-                logits = self._logits(hidden[row + offset : row + offset + count],
-                                      (row + offset, row + offset + count))  # [count, vocab]
+                logits = self._logits(hidden, (row + offset, row + offset + count))  # [count, vocab]
                 values.extend(chosen_logprobs(logits, targets[offset : offset + count]).tolist())
             found[index] = (first, values)
         return found

@@ -70,6 +70,12 @@ class WorkerSpec:
     lora_config: object | None  # backend.config.LoRAConfig when adapters are served
 
 
+def _frame(command: tuple) -> bytes:
+    """One command as the worker reads it (worker.read_command): its length, then its pickle."""
+    data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(data)) + data
+
+
 class TensorParallelDriver:
     def __init__(self, model_config, block_size: int, num_blocks: int, size: int, device: torch.device,
                  cores: list[int], lora_config=None):
@@ -152,8 +158,7 @@ class TensorParallelDriver:
     def send(self, *command) -> None:
         """Hands every worker ``command`` (a tuple: name, arguments); raises WorkerLost."""
         self.raise_if_lost()
-        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-        frame = HEADER.pack(len(data)) + data
+        frame = _frame(command)
         for rank, worker in enumerate(self.workers, start=1):
             try:
                 worker.stdin.write(frame)
@@ -199,8 +204,7 @@ class TensorParallelDriver:
         for worker in self.workers:
             try:
                 if worker.poll() is None:
-                    data = pickle.dumps(("shutdown",))
-                    worker.stdin.write(HEADER.pack(len(data)) + data)
+                    worker.stdin.write(_frame(("shutdown",)))
                     worker.stdin.close()
             except (BrokenPipeError, OSError, ValueError):
                 pass

@@ -64,9 +64,6 @@ class ShmCollectives:
         self._sequence = 0
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # the whole file, as one tensor
 
-    def set_peer(self, rank: int, pid: int) -> None:
-        self._pids[rank] = pid
-
     def fits(self, tensor: torch.Tensor) -> bool:
         return tensor.numel() * tensor.element_size() <= self.slot_bytes
 

@@ -45,6 +45,8 @@ def serve(runner, stream) -> None:
     """Runs rank 0's commands until shutdown or end of input."""
     import torch  # noqa: PLC0415
 
+    from backend.engine.model_runner import select_rows  # noqa: PLC0415
+
     model, hidden = runner.model, None
     with torch.inference_mode():
         while True:
@@ -64,14 +66,7 @@ def serve(runner, stream) -> None:
                     if runner.lora is not None:
                         runner.lora_hook.step = None
             elif name == "logits":
-                rows = command[1]
-                if rows is None:
-                    chosen = hidden
-                elif isinstance(rows, tuple):
-                    chosen = hidden[rows[0] : rows[1]]
-                else:
-                    chosen = hidden.index_select(0, rows)
-                model.compute_logits(chosen)  # this rank's columns go to rank 0
+                model.compute_logits(select_rows(hidden, command[1]))  # this rank's columns go to rank 0
             elif name == "copy":
                 runner.block_io.copy(command[1], command[2])
             else:

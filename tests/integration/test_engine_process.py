@@ -33,16 +33,21 @@ pytestmark = pytest.mark.integration
 CORE_MODULE = b"backend.engine_core.core_process"
 
 
-def core_pids(server) -> list[int]:
-    """Engine-core processes in the server's process group (they inherit it from the stub)."""
+def pids_running(server, module: bytes) -> list[int]:
+    """Processes of ``module`` in the server's process group (they inherit it from the stub)."""
     found = []
     for pid in live_processes_in_group(server.process.pid):
         try:
-            if CORE_MODULE in open(f"/proc/{pid}/cmdline", "rb").read():
+            if module in open(f"/proc/{pid}/cmdline", "rb").read():
                 found.append(pid)
         except OSError:
             continue
     return found
+
+
+def core_pids(server) -> list[int]:
+    """Engine-core processes in the server's process group."""
+    return pids_running(server, CORE_MODULE)
 
 
 def wait_for(predicate, timeout: float, what: str):

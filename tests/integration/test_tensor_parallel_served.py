@@ -10,25 +10,14 @@ import pytest
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
-from backend.server.launcher import live_processes_in_group
 from tests.conftest import DEMO_REPOSITORY
-from tests.integration.test_engine_process import mixed_jobs, streamed, wait_for
+from tests.integration.test_engine_process import mixed_jobs, pids_running, streamed, wait_for
 from tests.integration.test_reliability import run_streams
+from tests.unit.test_engine_core_process import process_alive
 
 pytestmark = pytest.mark.integration
 
 WORKER_MODULE = b"backend.parallel.worker"
-
-
-def worker_pids(server) -> list[int]:
-    found = []
-    for pid in live_processes_in_group(server.process.pid):
-        try:
-            if WORKER_MODULE in open(f"/proc/{pid}/cmdline", "rb").read():
-                found.append(pid)
-        except OSError:
-            continue
-    return found
 
 
 def test_size_2_streams_the_ids_of_size_1_and_its_worker_ends_with_the_server(make_server):
@@ -37,19 +26,13 @@ def test_size_2_streams_the_ids_of_size_1_and_its_worker_ends_with_the_server(ma
     expected = engine.generate([p for p, _ in jobs], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs])
     engine.close()
     server = make_server({"tensor_parallel_size": "2"})
-    (worker,) = wait_for(lambda: worker_pids(server), 30, "the tensor-parallel worker")
+    (worker,) = wait_for(lambda: pids_running(server, WORKER_MODULE), 30, "the tensor-parallel worker")
     results = run_streams(server.grpc_url, streamed(jobs), timeout=120)
     for (prompt, _), result, want in zip(jobs, results, expected, strict=True):
         assert not isinstance(result, Exception), result
         assert result.error is None and result.num_final == 1, (prompt, result.error)
         assert result.token_ids == want.output_token_ids, prompt
     server.stop()
-    wait_for(lambda: not worker_pids(server) and not _alive(worker), 30, "the worker to end with the server")
+    wait_for(lambda: not pids_running(server, WORKER_MODULE) and not process_alive(worker), 30,
+             "the worker to end with the server")
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False

@@ -75,6 +75,18 @@ def run_to_finals(client, requests: list[AddRequest], timeout: float = 120.0) ->
     return {request_id: (texts[request_id], finals[request_id]) for request_id in texts}
 
 
+def run_after_restart(client, make_request, timeout: float = 60.0) -> dict:
+    """run_to_finals of one request, sent again while the client is refused as busy (a new core
+    loading after a crash) until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return run_to_finals(client, [make_request()])
+        except BusyError as exc:
+            assert "restarting" in str(exc) and time.monotonic() < deadline
+            time.sleep(0.2)
+
+
 @pytest.fixture
 def client(engine):
     made = ProcessClient(engine.config, max_queue_len=64, heartbeat_timeout=3.0)
@@ -118,14 +130,7 @@ def test_kill_9_of_the_core_ends_each_request_once_with_an_error_and_a_new_core_
     assert time.monotonic() - killed_at < 10
     assert all("engine core process died" in f.error and "SIGKILL" in f.error for f in finals.values())
     assert len(restarts) == 1 and client.restarts == 1
-    deadline = time.monotonic() + 60
-    while True:  # refused as busy while the new core loads, then served
-        try:
-            result = run_to_finals(client, [add(engine, "after", "Hello", max_tokens=4, ignore_eos=True)])
-            break
-        except BusyError as exc:
-            assert "restarting" in str(exc) and time.monotonic() < deadline
-            time.sleep(0.2)
+    result = run_after_restart(client, lambda: add(engine, "after", "Hello", max_tokens=4, ignore_eos=True))
     assert result["after"][1].error is None and result["after"][1].num_output_tokens == 4
     assert client.core_pid != old_pid and not process_alive(old_pid)
 

@@ -35,7 +35,6 @@ from backend.config import (
 )
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
-from backend.engine_core.admission import BusyError
 from backend.engine_core.messages import AddRequest
 from backend.engine_core.process_client import ProcessClient
 from backend.models.shape import ModelShape
@@ -217,7 +216,7 @@ def test_a_vocabulary_that_does_not_divide_is_padded(tmp_path, demo_model_dir):
 def test_a_worker_killed_mid_stream_ends_each_request_once_and_every_rank_restarts(demo_model_dir):
     from transformers import AutoTokenizer
 
-    from tests.unit.test_engine_core_process import run_to_finals
+    from tests.unit.test_engine_core_process import run_after_restart
 
     config = with_size(engine_config_from_model_folder(str(DEMO_REPOSITORY / "llm")), 2)
     tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_dir)
@@ -253,14 +252,9 @@ def test_a_worker_killed_mid_stream_ends_each_request_once_and_every_rank_restar
                     finals[output.request_id] = output
         ended = time.monotonic() - killed_at
         assert all("tensor-parallel rank 1" in f.error and "SIGKILL" in f.error for f in finals.values()), finals
-        deadline = time.monotonic() + 90
-        while True:  # refused as busy while the new core and its worker load, then served
-            try:
-                results = run_to_finals(client, [add("after", "Hello", max_tokens=8, ignore_eos=True)])
-                break
-            except BusyError as exc:
-                assert "restarting" in str(exc) and time.monotonic() < deadline
-                time.sleep(0.2)
+        # refused as busy while the new core and its worker load, then served
+        results = run_after_restart(client, lambda: add("after", "Hello", max_tokens=8, ignore_eos=True),
+                                    timeout=90)
         served = time.monotonic() - killed_at
         assert results["after"][1].error is None and results["after"][1].num_output_tokens == 8
         assert len(restarts) == 1 and client.restarts == 1
