@@ -303,7 +303,8 @@ class LLMEngine:
             return StepOutput(failed, StepStats(num_seqs=len(self._step_requests)))
 
     def step(self, timings: bool = False) -> StepOutput:
-        """One iteration: schedule, run, sample and update; then the step's KV-cache events go out.
+        """One iteration: schedule, run, sample and update. KV-cache events go out twice: the blocks
+        the schedule cached (and evicted) before the forward, what the step freed after it.
 
         Returns the outputs and the step's statistics; ``timings`` adds seconds per phase
         (schedule, prepare, forward, logits, sample, detokenize).
@@ -328,6 +329,10 @@ class LLMEngine:
             stats.timings = clock.lap({}, "schedule")
         if self.offloader is not None:
             self.offloader.capture()  # blocks evicted by this schedule, before the forward overwrites them
+        if self.kv_event_publisher is not None:
+            # The blocks this step scheduled are findable by the next schedule already, so a router
+            # hears of them now, not after a forward that may take seconds for a long prompt.
+            self.kv_event_publisher.flush()
         if not scheduled:
             self._idle()
             return StepOutput(outputs, stats)

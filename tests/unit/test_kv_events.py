@@ -290,3 +290,34 @@ def test_the_first_batch_waits_for_a_subscriber_so_a_reconnecting_router_sees_th
     finally:
         publisher.close()
         context.term()
+
+
+def test_a_prompts_blocks_are_published_before_its_forward_ends(demo_model_dir):
+    """A router must hear of a long prompt's blocks when they are scheduled: a second request for
+    the same prefix that arrives during the first one's prefill finds them, in the engine's
+    prefix cache and so in the router's index."""
+    address = endpoint()
+    llm = engine(kv_events_endpoint=address)
+    context = zmq.Context()
+    sub = subscriber(context, address)
+    time.sleep(0.3)
+    seen_during_forward: list[int] = []
+    forwards = []
+    execute = llm.model_runner.execute
+
+    def execute_after_reading_events(*args, **kwargs):
+        forwards.append(1)
+        if len(forwards) == 1:  # the prompt's one prefill step
+            for _, batch in received(sub, settle=1.0):
+                seen_during_forward.extend(h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes)
+        return execute(*args, **kwargs)
+
+    llm.model_runner.execute = execute_after_reading_events
+    try:
+        llm.generate([PREFIX], [PARAMS])
+        prompt_blocks = {external_hash(h) for h in llm.kv_cache_manager.block_pool.cached_block_hash_to_block}
+        assert len(seen_during_forward) == len(PREFIX) // 16 and set(seen_during_forward) <= prompt_blocks
+    finally:
+        sub.close(linger=0)
+        context.term()
+        llm.close()
