@@ -142,6 +142,7 @@ class ModelRunner:
         self.vocab_size = self.shape.vocab_size
         self.prompt_logprobs: dict[int, tuple[int, list[float]]] = {}  # of the last execute(): see _prompt_logprobs
         self.lora = None  # backend/lora/manager.py LoRAManager, see attach_lora
+        self.cpu_kernels = None  # the CPU kernel library when attention runs on it (load_rank)
         self._row_adapters: list[str | None] = []  # of the last prepare(): each row's adapter
         self.tensor_parallel = None  # rank 0 of a group: backend/parallel/driver.py, see load()
         self._pinned = None  # rank 0's affinity and thread count before the group pinned it
@@ -156,6 +157,7 @@ class ModelRunner:
         from backend.lora.step import LoRAHook  # noqa: PLC0415
 
         self.lora = manager
+        manager.slots.use_kernels(self.cpu_kernels)
         self.lora_hook = LoRAHook()
         self.model.attach_lora(self.lora_hook)
 
@@ -253,6 +255,7 @@ class ModelRunner:
         if fused:
             model.use_cpu_kernels(kernels)
         runner = cls(model, num_blocks, block_size)
+        runner.cpu_kernels = kernels
         logger.info("model runner ready: device=%s dtype=%s attention=%s fused CPU ops=%s kv_blocks=%d x %d tokens%s",
                     device, dtype, getattr(attention_backend, "name", "?"), "on" if fused else "off", num_blocks,
                     block_size, f", tensor-parallel rank {shard.rank} of {shard.size}" if shard.sharded else "")

@@ -54,6 +54,8 @@ class LoRAAdapter:
     targets: tuple[str, ...]  # checkpoint module names it changes
     # (layer, fused projection) -> (A [parts x rank, in], B [out, parts x rank], scaling folded into B)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # fused projection -> its parts' output columns as offsets ((0, q, q + kv, q + 2 kv) for qkv_proj)
+    part_columns: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -136,6 +138,8 @@ def load_adapter(entry: AdapterEntry, shape: ModelShape, max_rank: int, dtype: t
     local_sizes = _fused_sizes(local or shape)
     sharded = shard is not None and shard.sharded
     adapter = LoRAAdapter(entry.name, rank, scaling, digest, targets)
+    for fused, (_, outs) in local_sizes.items():
+        adapter.part_columns[fused] = tuple(sum(outs[:index]) for index in range(len(outs) + 1))
     for layer in range(shape.num_layers):
         for fused, names in FUSED.items():
             if not any(name in targets for name in names):

@@ -1,44 +1,65 @@
 """The adapters of the running batch stacked in ``max_loras`` slots, so that a step's decode rows of
-every adapter take one batched GEMM pair per projection (Punica's BGMV shape) instead of one pair
-per adapter.
+every adapter take one batched computation per projection (Punica's BGMV shape) instead of one GEMM
+pair per adapter.
 
 Why: a decode step of 64 rows spread over 8 adapters gave each adapter 8 rows, and two small GEMMs
 per adapter and projection cost three times the projection's own GEMM (perf/RESULTS.md, "LoRA").
-Each slot holds one adapter's fused A and B for every projection, padded with zeros to
-``max_lora_rank`` (a part the adapter does not target is zeros, so its delta is zero); an adapter is
-copied into a slot when a step first needs it there (a slot whose adapter this step does not use is
-taken over), never per step. The step's plan (``DecodePlan``) gathers each slot's rows into
-``[slots, rows_per_slot, in]`` (rows of a slot with fewer rows point at row 0 and are masked out),
-runs ``bmm`` with the slots' A and B, and adds the result back to the rows (``index_add_``).
+Each slot holds one adapter's A and B for every projection, padded with zeros to ``max_lora_rank``
+(a projection the adapter does not target is zeros, so its delta is zero); an adapter is copied into
+a slot when a step first needs it there (a slot whose adapter this step does not use is taken over),
+never per step. A fused projection's parts (q/k/v, gate/up) each read only their own rank entries
+(PEFT's fused B is block-diagonal), so a slot keeps A as ``[parts x max_rank, in]`` (part p from row
+p x max_rank) and B compact and transposed, ``[max_rank, out]``.
+
+On CPUs the step's decode rows go through one kernel call per projection (``lora_bgmv`` in the CPU
+kernel library: each slot's rows stay where they are, its weights are read once). Elsewhere (a GPU,
+or no compiler) torch runs it: each slot's rows gathered into ``[slots, rows_per_slot, in]`` (rows of
+a slot with fewer rows point at row 0 and are masked out), ``bmm`` with the slots' A, one ``bmm`` per
+part with B, and the result added back to the rows (``index_add_``).
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from backend.lora.adapter import FUSED, LoRAAdapter
 
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
 
 @dataclass(slots=True)
 class DecodePlan:
     """One step's decode rows, by slot."""
 
-    num_slots: int  # slots 0 .. num_slots - 1 take part (idle ones among them have only masked rows)
-    rows_per_slot: int
-    gather: torch.Tensor  # [num_slots * rows_per_slot] int64: the row of each slot position (0 where padded)
-    mask: torch.Tensor | None  # [num_slots * rows_per_slot, 1] model dtype: 0 where padded; None when none is
+    num_slots: int  # slots 0 .. num_slots - 1 take part (idle ones among them have no rows)
     keys: frozenset  # (layer, fused projection) some adapter of the step targets
+    # the kernel's: slot s owns rows [row_start[s], row_end[s]) ([num_slots] int64 each)
+    row_start: torch.Tensor | None = None
+    row_end: torch.Tensor | None = None
+    # torch's
+    rows_per_slot: int = 0
+    gather: torch.Tensor | None = None  # [num_slots * rows_per_slot] int64: the row of each slot position (0 where padded)
+    mask: torch.Tensor | None = None  # [num_slots * rows_per_slot, 1] model dtype: 0 where padded; None when none is
 
 
 class LoRASlots:
     def __init__(self, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         self.names: list[str | None] = [None] * num_slots
         self.max_rank, self.dtype, self.device = max_rank, dtype, device
-        # (layer, fused projection) -> (A [slots, parts x max_rank, in], B [slots, out, parts x max_rank])
+        self.kernels = None  # see use_kernels
+        # (layer, fused projection) -> (A [slots, parts x max_rank, in], B^T [slots, max_rank, out])
         self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.part_columns: dict[tuple[int, str], tuple[int, ...]] = {}  # each part's output columns, as offsets
+        self._part_offsets: dict[tuple[int, str], torch.Tensor] = {}  # the same, int64, for the kernel
         self._digests: list[str | None] = [None] * num_slots  # what each slot holds, by weights digest
+
+    def use_kernels(self, kernels) -> None:
+        """Decode rows go through ``kernels.lora_bgmv`` (the CPU kernel library,
+        backend/attention/cpu_kernel/build.py) where it can take them; None: torch."""
+        self.kernels = kernels if self.device.type == "cpu" and self.dtype in KERNEL_DTYPES else None
 
     def place(self, adapters: list[LoRAAdapter]) -> list[int]:
         """The slot of each of ``adapters`` (at most as many as there are slots), copying in the ones
@@ -57,19 +78,26 @@ class LoRASlots:
         return found
 
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        rank, max_rank = adapter.rank, self.max_rank
         for key, (a, b) in adapter.weights.items():
             if key not in self.weights:
-                parts = len(FUSED[key[1]]) * self.max_rank
+                parts = len(FUSED[key[1]])
                 self.weights[key] = (
-                    torch.zeros(len(self.names), parts, a.shape[1], dtype=self.dtype, device=self.device),
-                    torch.zeros(len(self.names), b.shape[0], parts, dtype=self.dtype, device=self.device))
-        for key, (slot_a, slot_b) in self.weights.items():
+                    torch.zeros(len(self.names), parts * max_rank, a.shape[1], dtype=self.dtype, device=self.device),
+                    torch.zeros(len(self.names), max_rank, b.shape[0], dtype=self.dtype, device=self.device))
+                self.part_columns[key] = adapter.part_columns[key[1]]
+                self._part_offsets[key] = torch.tensor(self.part_columns[key], dtype=torch.int64)
+        for key, (slot_a, slot_bt) in self.weights.items():
             slot_a[slot].zero_()
-            slot_b[slot].zero_()
-            if key in adapter.weights:
-                a, b = adapter.weights[key]
-                slot_a[slot, : a.shape[0]].copy_(a)
-                slot_b[slot, :, : b.shape[1]].copy_(b)
+            slot_bt[slot].zero_()
+            if key not in adapter.weights:
+                continue
+            a, b = adapter.weights[key]  # [parts x rank, in], [out, parts x rank] block-diagonal
+            columns = self.part_columns[key]
+            for part in range(len(columns) - 1):
+                slot_a[slot, part * max_rank: part * max_rank + rank].copy_(a[part * rank:(part + 1) * rank])
+                slot_bt[slot, :rank, columns[part]:columns[part + 1]].copy_(
+                    b[columns[part]:columns[part + 1], part * rank:(part + 1) * rank].t())
         self.names[slot] = adapter.name
         self._digests[slot] = adapter.digest
 
@@ -77,6 +105,13 @@ class LoRASlots:
         """The plan for ``adapters``' decode rows ``segments`` (one contiguous run each)."""
         slots = self.place(adapters)
         num_slots = max(slots) + 1
+        keys = frozenset(key for adapter in adapters for key in adapter.weights)
+        if self.kernels is not None:
+            row_start = torch.zeros(num_slots, dtype=torch.int64)
+            row_end = torch.zeros(num_slots, dtype=torch.int64)
+            for slot, (start, end) in zip(slots, segments, strict=True):
+                row_start[slot], row_end[slot] = start, end
+            return DecodePlan(num_slots, keys, row_start=row_start, row_end=row_end)
         per_slot = max(end - start for start, end in segments)
         gather = torch.zeros(num_slots * per_slot, dtype=torch.int64)
         mask = torch.zeros(num_slots * per_slot, 1, dtype=self.dtype)
@@ -84,9 +119,8 @@ class LoRASlots:
             gather[slot * per_slot : slot * per_slot + end - start] = torch.arange(start, end)
             mask[slot * per_slot : slot * per_slot + end - start] = 1
         padded = sum(end - start for start, end in segments) < num_slots * per_slot
-        keys = frozenset(key for adapter in adapters for key in adapter.weights)
-        return DecodePlan(num_slots, per_slot, gather.to(self.device),
-                          mask.to(self.device) if padded else None, keys)
+        return DecodePlan(num_slots, keys, rows_per_slot=per_slot, gather=gather.to(self.device),
+                          mask=mask.to(self.device) if padded else None)
 
     def apply(
         self,
@@ -97,11 +131,28 @@ class LoRASlots:
     ) -> None:
         if key not in plan.keys:
             return
-        slot_a, slot_b = self.weights[key]
-        count, rows = plan.num_slots, plan.rows_per_slot
+        slot_a, slot_bt = self.weights[key]
+        if plan.row_start is not None:
+            if x.stride(1) != 1:
+                x = x.contiguous()
+            if out.stride(1) != 1:  # a projection's own output always has unit column stride
+                raise ValueError("lora_bgmv needs output rows with unit column stride")
+            pointer = ctypes.c_void_p
+            columns = self._part_offsets[key]
+            self.kernels.lora_bgmv(KERNEL_DTYPES[self.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+                                   pointer(plan.row_start.data_ptr()), pointer(plan.row_end.data_ptr()), plan.num_slots,
+                                   slot_a.data_ptr(), slot_bt.data_ptr(), slot_a.shape[2], slot_bt.shape[2],
+                                   self.max_rank, len(columns) - 1, pointer(columns.data_ptr()))
+            return
+        count, rows, rank = plan.num_slots, plan.rows_per_slot, self.max_rank
         gathered = x.index_select(0, plan.gather).view(count, rows, x.shape[1])  # [slots, rows, in]
         shrunk = torch.bmm(gathered, slot_a[:count].transpose(1, 2))  # [slots, rows, parts x max_rank]
-        delta = torch.bmm(shrunk, slot_b[:count].transpose(1, 2)).view(count * rows, out.shape[1])
+        delta = torch.empty(count, rows, out.shape[1], dtype=out.dtype, device=out.device)
+        columns = self.part_columns[key]
+        for part in range(len(columns) - 1):
+            delta[:, :, columns[part]:columns[part + 1]] = torch.bmm(
+                shrunk[:, :, part * rank:(part + 1) * rank], slot_bt[:count, :, columns[part]:columns[part + 1]])
+        delta = delta.view(count * rows, out.shape[1])
         if plan.mask is not None:
             delta.mul_(plan.mask)
         out.index_add_(0, plan.gather, delta)
