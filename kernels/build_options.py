@@ -22,6 +22,7 @@ NUM_THREADS = 128  # threads per block of the attention kernels
 PARTITION_SIZE = 512  # context tokens per block of the decode kernel
 THREAD_GROUP_SIZE = 8  # lanes that share one token
 RESHAPE_MAX_THREADS = 128  # threads per block of reshape_and_cache
+LORA_THREADS = 128  # threads per block of lora_shrink and lora_expand
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +92,17 @@ def reshape_and_cache_spec(dtype: str) -> ModuleSpec:
     )
 
 
+def lora_bgmv_spec(dtype: str) -> ModuleSpec:
+    """The LoRA decode-rows module (shrink and expand over adapter slots) for one dtype."""
+    if dtype not in CTYPES:
+        raise ValueError(f"lora_bgmv: unsupported dtype {dtype!r} (supported: {', '.join(CTYPES)})")
+    return ModuleSpec("lora_bgmv.cu", (f"-DLORA_T={CTYPES[dtype]}",), ("lora_shrink", "lora_expand"))
+
+
 def all_specs() -> list[ModuleSpec]:
-    """Every module the backend can build: all dtypes x head sizes, plus the cache writers."""
+    """Every module the backend can build: all dtypes x head sizes, the cache writers and the LoRA
+    modules."""
     specs = [paged_attention_spec(dtype, hs) for dtype in CTYPES for hs in HEAD_SIZES]
     specs += [reshape_and_cache_spec(dtype) for dtype in CTYPES]
+    specs += [lora_bgmv_spec(dtype) for dtype in CTYPES]
     return specs

@@ -1,4 +1,4 @@
-"""The argument tuples of the three kernels, in the order their ``extern "C"`` signatures declare.
+"""The argument tuples of the kernels, in the order their ``extern "C"`` signatures declare.
 
 One place packs them: the cupy backend launches with these and the kernel tests (CPU emulation)
 too, so a signature change is made here once. Strides are in elements; block offsets that can
@@ -55,3 +55,19 @@ def cache_write_args(key, value, key_cache, value_cache, slot_mapping) -> tuple:
         np.int32(key_cache.stride(1)),
         np.int32(key_cache.stride(2)),
     )
+
+
+def lora_shrink_args(x, a, row_slot, shrunk) -> tuple:
+    """lora_shrink: x [rows, in] (a row-strided view is fine); a [slots, parts x rank, in];
+    row_slot [rows] int32 (-1: no adapter); shrunk [rows, parts x rank] float32."""
+    return (x, a, row_slot, shrunk, np.int64(x.stride(0)), np.int32(x.shape[1]), np.int32(a.shape[1]))
+
+
+def lora_expand_args(shrunk, bt, row_slot, out, part_columns: tuple[int, ...]) -> tuple:
+    """lora_expand: shrunk [rows, parts x rank] float32; bt [slots, rank, out]; row_slot [rows]
+    int32; out [rows, out] (row-strided is fine), updated in place; part_columns: each part's
+    output columns as offsets ((0, q, q + kv, out) for a fused q/k/v)."""
+    out_features = out.shape[1]
+    starts = [*part_columns[1:-1], out_features, out_features][:2]
+    return (shrunk, bt, row_slot, out, np.int64(out.stride(0)), np.int32(out_features), np.int32(bt.shape[1]),
+            np.int32(shrunk.shape[1]), np.int32(starts[0]), np.int32(starts[1]))

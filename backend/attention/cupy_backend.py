@@ -78,7 +78,7 @@ def cupy_available() -> tuple[bool, str]:
 
 
 @cache
-def _cupy_module(spec: ModuleSpec) -> Any:
+def cupy_module(spec: ModuleSpec) -> Any:
     """Compiles one module with NVRTC and loads its kernels (cached per process; CuPy also
     caches binaries on disk, keyed by the self-contained source and options).
 
@@ -113,7 +113,7 @@ def _cupy_module(spec: ModuleSpec) -> Any:
             ) from exc
 
 
-def _cupy_launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
+def cupy_launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
     """Launches on torch's current stream of the tensors' device; tensors go over DLPack (bf16 as
     its int16 bits: CuPy has no bfloat16, the kernel only needs the pointer)."""
     import cupy
@@ -172,12 +172,12 @@ class CupyAttentionBackend(PagedAttentionBackend):
                     f"attention_backend=cupy cannot run here: {reason}. "
                     "Use attention_backend=torch, or auto to pick cupy only where it can run."
                 )
-            module_factory, launch = _cupy_module, _cupy_launch
+            module_factory, launch = cupy_module, cupy_launch
         if launch is None:
             raise ValueError("a custom module_factory needs its launch function")
         self.partition_size = partition_size
-        self._module_factory = module_factory
-        self._launch = launch
+        self.module_factory = module_factory  # also what other CUDA kernels of the model use (LoRA)
+        self.launch = launch
         self._kernels: dict[tuple[torch.dtype, int], _Kernels] = {}
         self._placeholders: dict[torch.device, torch.Tensor] = {}
         if (head_size is None) != (dtype is None):
@@ -197,10 +197,10 @@ class CupyAttentionBackend(PagedAttentionBackend):
                     f"attention_backend=cupy: unsupported dtype {dtype} (float32, float16 or bfloat16)"
                 )
             name = DTYPE_NAMES[dtype]
-            attention = self._module_factory(
+            attention = self.module_factory(
                 paged_attention_spec(name, head_size, partition_size=self.partition_size)
             )
-            cache_write = self._module_factory(reshape_and_cache_spec(name))
+            cache_write = self.module_factory(reshape_and_cache_spec(name))
             self._kernels[key] = _Kernels(
                 attention.get_function("paged_attention_decode"),
                 attention.get_function("paged_attention_reduce"),
@@ -249,7 +249,7 @@ class CupyAttentionBackend(PagedAttentionBackend):
                 f"slot_mapping must be int64 [num_tokens], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
             )
         threads = min(RESHAPE_MAX_THREADS, 32 * ceil_div(num_kv_heads * head_size, 32))
-        self._launch(
+        self.launch(
             self._get_kernels(key_cache.dtype, head_size).cache_write, (num_tokens,), (threads,),
             cache_write_args(key, value, key_cache, value_cache, slot_mapping.contiguous()),
         )
@@ -294,13 +294,13 @@ class CupyAttentionBackend(PagedAttentionBackend):
                 (num_seqs, num_heads, num_partitions), dtype=torch.float32, device=query.device
             )
             exp_sums = torch.empty_like(max_logits)
-        self._launch(
+        self.launch(
             kernels.decode, (num_heads, num_seqs, num_partitions), (NUM_THREADS,),
             decode_args(out, tmp_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens,
                         scale, sliding_window),
         )
         if num_partitions > 1:
-            self._launch(kernels.reduce, (num_heads, num_seqs), (NUM_THREADS,),
+            self.launch(kernels.reduce, (num_heads, num_seqs), (NUM_THREADS,),
                          reduce_args(out, tmp_out, max_logits, exp_sums, seq_lens, num_partitions, sliding_window))
 
     # ---- checks ---------------------------------------------------------------------------------

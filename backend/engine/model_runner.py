@@ -143,6 +143,7 @@ class ModelRunner:
         self.prompt_logprobs: dict[int, tuple[int, list[float]]] = {}  # of the last execute(): see _prompt_logprobs
         self.lora = None  # backend/lora/manager.py LoRAManager, see attach_lora
         self.cpu_kernels = None  # the CPU kernel library when attention runs on it (load_rank)
+        self.cupy_attention = None  # the CuPy attention backend on a GPU: its compile and launch serve LoRA too
         self._row_adapters: list[str | None] = []  # of the last prepare(): each row's adapter
         self.tensor_parallel = None  # rank 0 of a group: backend/parallel/driver.py, see load()
         self._pinned = None  # rank 0's affinity and thread count before the group pinned it
@@ -158,6 +159,10 @@ class ModelRunner:
 
         self.lora = manager
         manager.slots.use_kernels(self.cpu_kernels)
+        if self.cupy_attention is not None:
+            from backend.lora.cuda_bgmv import CudaBGMV  # noqa: PLC0415
+
+            manager.slots.use_cuda(CudaBGMV(self.dtype, self.cupy_attention.module_factory, self.cupy_attention.launch))
         self.lora_hook = LoRAHook()
         self.model.attach_lora(self.lora_hook)
 
@@ -256,6 +261,7 @@ class ModelRunner:
             model.use_cpu_kernels(kernels)
         runner = cls(model, num_blocks, block_size)
         runner.cpu_kernels = kernels
+        runner.cupy_attention = attention_backend if getattr(attention_backend, "name", "") == "cupy" else None
         logger.info("model runner ready: device=%s dtype=%s attention=%s fused CPU ops=%s kv_blocks=%d x %d tokens%s",
                     device, dtype, getattr(attention_backend, "name", "?"), "on" if fused else "off", num_blocks,
                     block_size, f", tensor-parallel rank {shard.rank} of {shard.size}" if shard.sharded else "")

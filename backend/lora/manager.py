@@ -105,7 +105,7 @@ class LoRAManager:
         if not decodes and not runs:
             return None
         step = LoRAStep()
-        if len(decodes) >= 2 or (decodes and self.slots.kernels is not None):
+        if len(decodes) >= 2 or (decodes and self.slots.has_kernel):
             names = list(decodes)
             step.slots = self.slots
             step.decode_plan = self.slots.plan([self.loaded[name] for name in names],

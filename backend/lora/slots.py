@@ -12,8 +12,9 @@ never per step. A fused projection's parts (q/k/v, gate/up) each read only their
 p x max_rank) and B compact and transposed, ``[max_rank, out]``.
 
 On CPUs the step's decode rows go through one kernel call per projection (``lora_bgmv`` in the CPU
-kernel library: each slot's rows stay where they are, its weights are read once). Elsewhere (a GPU,
-or no compiler) torch runs it: each slot's rows gathered into ``[slots, rows_per_slot, in]`` (rows of
+kernel library: each slot's rows stay where they are, its weights are read once); on a GPU with the
+CuPy attention backend, through kernels/lora_bgmv.cu (backend/lora/cuda_bgmv.py), two launches per
+projection with each row's slot. Elsewhere (no compiler, torch attention) torch runs it: each slot's rows gathered into ``[slots, rows_per_slot, in]`` (rows of
 a slot with fewer rows point at row 0 and are masked out), ``bmm`` with the slots' A, one ``bmm`` per
 part with B, and the result added back to the rows (``index_add_``).
 """
@@ -36,9 +37,11 @@ class DecodePlan:
 
     num_slots: int  # slots 0 .. num_slots - 1 take part (idle ones among them have no rows)
     keys: frozenset  # (layer, fused projection) some adapter of the step targets
-    # the kernel's: slot s owns rows [row_start[s], row_end[s]) ([num_slots] int64 each)
+    # the CPU kernel's: slot s owns rows [row_start[s], row_end[s]) ([num_slots] int64 each)
     row_start: torch.Tensor | None = None
     row_end: torch.Tensor | None = None
+    # the CUDA kernels': [rows] int32 on the device, each of the first rows' slot (-1: none)
+    row_slot: torch.Tensor | None = None
     # torch's
     rows_per_slot: int = 0
     gather: torch.Tensor | None = None  # [num_slots * rows_per_slot] int64: the row of each slot position (0 where padded)
@@ -50,6 +53,7 @@ class LoRASlots:
         self.names: list[str | None] = [None] * num_slots
         self.max_rank, self.dtype, self.device = max_rank, dtype, device
         self.kernels = None  # see use_kernels
+        self.cuda = None  # see use_cuda
         # (layer, fused projection) -> (A [slots, parts x max_rank, in], B^T [slots, max_rank, out])
         self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.part_columns: dict[tuple[int, str], tuple[int, ...]] = {}  # each part's output columns, as offsets
@@ -60,6 +64,15 @@ class LoRASlots:
         """Decode rows go through ``kernels.lora_bgmv`` (the CPU kernel library,
         backend/attention/cpu_kernel/build.py) where it can take them; None: torch."""
         self.kernels = kernels if self.device.type == "cpu" and self.dtype in KERNEL_DTYPES else None
+
+    def use_cuda(self, cuda_bgmv) -> None:
+        """Decode rows go through kernels/lora_bgmv.cu (a backend/lora/cuda_bgmv.py CudaBGMV)."""
+        self.cuda = cuda_bgmv if self.dtype in (torch.float32, torch.float16, torch.bfloat16) else None
+
+    @property
+    def has_kernel(self) -> bool:
+        """A kernel takes the decode rows (then even one adapter's go through the slots)."""
+        return self.kernels is not None or self.cuda is not None
 
     def place(self, adapters: list[LoRAAdapter]) -> list[int]:
         """The slot of each of ``adapters`` (at most as many as there are slots), copying in the ones
@@ -112,6 +125,11 @@ class LoRASlots:
             for slot, (start, end) in zip(slots, segments, strict=True):
                 row_start[slot], row_end[slot] = start, end
             return DecodePlan(num_slots, keys, row_start=row_start, row_end=row_end)
+        if self.cuda is not None:
+            row_slot = torch.full((max(end for _, end in segments),), -1, dtype=torch.int32)
+            for slot, (start, end) in zip(slots, segments, strict=True):
+                row_slot[start:end] = slot
+            return DecodePlan(num_slots, keys, row_slot=row_slot.to(self.device))
         per_slot = max(end - start for start, end in segments)
         gather = torch.zeros(num_slots * per_slot, dtype=torch.int64)
         mask = torch.zeros(num_slots * per_slot, 1, dtype=self.dtype)
@@ -132,17 +150,21 @@ class LoRASlots:
         if key not in plan.keys:
             return
         slot_a, slot_bt = self.weights[key]
-        if plan.row_start is not None:
+        if plan.row_start is not None or plan.row_slot is not None:
             if x.stride(1) != 1:
                 x = x.contiguous()
             if out.stride(1) != 1:  # a projection's own output always has unit column stride
                 raise ValueError("lora_bgmv needs output rows with unit column stride")
+        if plan.row_start is not None:
             pointer = ctypes.c_void_p
             columns = self._part_offsets[key]
             self.kernels.lora_bgmv(KERNEL_DTYPES[self.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
                                    pointer(plan.row_start.data_ptr()), pointer(plan.row_end.data_ptr()), plan.num_slots,
                                    slot_a.data_ptr(), slot_bt.data_ptr(), slot_a.shape[2], slot_bt.shape[2],
                                    self.max_rank, len(columns) - 1, pointer(columns.data_ptr()))
+            return
+        if plan.row_slot is not None:
+            self.cuda.apply(x, out, plan.row_slot, slot_a, slot_bt, self.part_columns[key])
             return
         count, rows, rank = plan.num_slots, plan.rows_per_slot, self.max_rank
         gathered = x.index_select(0, plan.gather).view(count, rows, x.shape[1])  # [slots, rows, in]

@@ -7,6 +7,7 @@ What it runs (tests/gpu, each also runnable alone with pytest):
   * the kernels through CuPy against the torch reference: every CPU-emulation batch, every
     compiled (dtype, head size), 64 long sequences, offsets past 2^31 elements, side streams;
   * end-to-end greedy parity of attention_backend=cupy with attention_backend=torch;
+  * the LoRA decode-rows kernels (kernels/lora_bgmv.cu) against the per-adapter torch path;
   * the decode microbenchmark: achieved bandwidth as a fraction of the device's peak.
 Prints the device, CuPy and NVRTC versions first and pytest's report after; writes the whole log
 to DIR/gpu_check.log (default perf/results/tmp). Exit status: pytest's, or 2 when this machine

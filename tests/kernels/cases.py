@@ -103,6 +103,15 @@ def cache_write_configs() -> list[tuple[str, int, int, int]]:
     return SANITIZER_CACHE_WRITE_CONFIGS if SANITIZER_RUN else CACHE_WRITE_CONFIGS
 
 
+# lora_shrink / lora_expand: the dtypes (races and bounds do not depend on them)
+LORA_DTYPES = ["float32", "bfloat16", "float16"]
+SANITIZER_LORA_DTYPES = ["bfloat16"]
+
+
+def lora_dtypes() -> list[str]:
+    return SANITIZER_LORA_DTYPES if SANITIZER_RUN else LORA_DTYPES
+
+
 def tolerances(dtype: str) -> dict[str, float]:
     """About one unit in the last place of the output dtype (outputs are O(1))."""
     return {

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from kernels.build_options import ModuleSpec, paged_attention_spec, reshape_and_cache_spec
+from kernels.build_options import ModuleSpec, lora_bgmv_spec, paged_attention_spec, reshape_and_cache_spec
 from kernels.emulation import EmulatedModule, build_emulated, build_many
 from tests.kernels import cases, planted_bugs
 
@@ -41,6 +41,7 @@ def all_emulated_specs() -> list[ModuleSpec]:
     specs = {paged_attention_spec(d, hs, partition_size=p) for d, hs, p in cases.attention_configs()}
     specs |= {reshape_and_cache_spec(d) for d, *_ in cases.cache_write_configs()}
     specs |= {reshape_and_cache_spec(d) for d, *_ in cases.attention_configs()}
+    specs |= {lora_bgmv_spec(d) for d in cases.lora_dtypes()}
     return sorted(specs, key=lambda s: s.options)
 
 

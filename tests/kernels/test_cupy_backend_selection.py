@@ -125,7 +125,7 @@ def test_cupy_launch_passes_tensors_over_dlpack_on_torchs_stream(monkeypatch):
     def kernel(grid, block, args):
         launched.update(grid=grid, block=block, args=args, log=list(log))
 
-    cupy_backend._cupy_launch(kernel, (2, 3, 1), (128,), (half, bf16, np.int32(7), np.float32(0.5)))
+    cupy_backend.cupy_launch(kernel, (2, 3, 1), (128,), (half, bf16, np.int32(7), np.float32(0.5)))
     assert launched["args"] == (
         ("dlpack", torch.float16, half.data_ptr()),
         ("dlpack", torch.int16, bf16.data_ptr()),
@@ -137,7 +137,7 @@ def test_cupy_launch_passes_tensors_over_dlpack_on_torchs_stream(monkeypatch):
 
 
 def test_cupy_module_compiles_every_kernel_at_load_and_finds_cuda_headers(monkeypatch):
-    """_cupy_module against a fake CuPy whose NVRTC lacks cuda_fp16.h until -I is given."""
+    """cupy_module against a fake CuPy whose NVRTC lacks cuda_fp16.h until -I is given."""
     built = []
 
     class RawModule:
@@ -155,11 +155,11 @@ def test_cupy_module_compiles_every_kernel_at_load_and_finds_cuda_headers(monkey
     cupy.RawModule = RawModule
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     spec = paged_attention_spec("bfloat16", 80)
-    cupy_backend._cupy_module.cache_clear()
+    cupy_backend.cupy_module.cache_clear()
     try:
-        module = cupy_backend._cupy_module(spec)
+        module = cupy_backend.cupy_module(spec)
     finally:
-        cupy_backend._cupy_module.cache_clear()
+        cupy_backend.cupy_module.cache_clear()
     assert built[0] == spec.options
     assert built[1][:-1] == spec.options and built[1][-1] == f"-I{cuda_include_dir()}"
     assert isinstance(module, RawModule)

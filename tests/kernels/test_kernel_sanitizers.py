@@ -37,6 +37,7 @@ KERNEL_TESTS = [
     "tests/kernels/test_paged_attention_kernel.py",
     "tests/kernels/test_reshape_and_cache_kernel.py",
     "tests/kernels/test_cupy_backend_emulated.py",
+    "tests/kernels/test_lora_bgmv_emulated.py",
 ]
 SANITIZER_ENV = {
     "tsan": {"TSAN_OPTIONS": "halt_on_error=1 exitcode=66 report_signal_unsafe=0"},

@@ -62,7 +62,7 @@ def cast(ad: LoRAAdapter, dtype: torch.dtype) -> LoRAAdapter:
 def deltas(step: LoRAStep, keys, x: torch.Tensor) -> dict:
     found = {}
     for key in keys:
-        out = torch.ones(x.shape[0], sum(PART_OUTS[key[1]]), dtype=x.dtype)  # a base output to add to
+        out = torch.ones(x.shape[0], sum(PART_OUTS[key[1]]), dtype=x.dtype, device=x.device)  # a base output to add to
         step.apply(key, x, out)
         found[key] = out
     return found
