@@ -19,10 +19,9 @@ import torch
 
 from backend.attention.base import AttentionMetadata
 from backend.attention.cpu_kernel.build import CpuKernels
+from backend.attention.cpu_kernel.dtypes import KERNEL_DTYPES
 from backend.attention.cpu_kernel.profiling import kernel_label
 from backend.attention.torch_backend import TorchAttentionBackend, plan_cache_write
-
-KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @dataclass(slots=True)

@@ -35,8 +35,9 @@ def cpu_kernel_backend(device: torch.device, head_size: int | None, dtype: torch
     """(the CPU kernel backend, None) or (None, why it cannot serve here)."""
     if device.type != "cpu":
         return None, f"the engine runs on device '{device}', not the CPU"
-    from backend.attention.cpu_backend import KERNEL_DTYPES, CpuAttentionBackend  # noqa: PLC0415
+    from backend.attention.cpu_backend import CpuAttentionBackend  # noqa: PLC0415
     from backend.attention.cpu_kernel.build import KernelUnavailable, load_kernel  # noqa: PLC0415
+    from backend.attention.cpu_kernel.dtypes import KERNEL_DTYPES  # noqa: PLC0415
 
     if dtype is not None and dtype not in KERNEL_DTYPES:
         return None, f"the kernel takes float32 and bfloat16, not {dtype}"

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.attention.cpu_kernel.dtypes import KERNEL_DTYPES
 from backend.lora.adapter import FUSED, LoRAAdapter
-
-KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @dataclass(slots=True)

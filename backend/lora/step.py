@@ -4,9 +4,10 @@ The model runner orders a step's rows so that each adapter's rows are contiguous
 rows and within the prompt rows (backend/engine/model_runner.py), so an adapter owns at most two
 row segments. After each targeted projection's base GEMM, every adapter adds its delta to its own
 rows only: two small GEMMs per segment and projection, ``out[rows] += (x[rows] @ A.T) @ B.T``
-(Punica's segmented shape), on views, with no gather or scatter; where two or more adapters share
-the decode rows, those rows take one batched GEMM pair over the adapters' slots instead
-(backend/lora/slots.py). Base-model rows are untouched.
+(Punica's segmented shape), on views, with no gather or scatter. The decode rows take the adapters'
+slots instead (backend/lora/slots.py: one kernel call per projection for every adapter, or one
+batched GEMM pair where no kernel runs and two or more adapters share them). Base-model rows are
+untouched.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from backend.lora.slots import DecodePlan, LoRASlots
 @dataclass(slots=True)
 class LoRAStep:
     # (adapter, its row segments [(start, end), ...]) for every adapter in the step, except the
-    # decode rows ``decode_plan`` covers (two or more adapters among the decodes: slots.py)
+    # decode rows ``decode_plan`` covers (LoRAManager.step_for says when the slots take them)
     groups: list[tuple[LoRAAdapter, list[tuple[int, int]]]] = field(default_factory=list)
     slots: LoRASlots | None = None
     decode_plan: DecodePlan | None = None

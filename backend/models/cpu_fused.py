@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from backend.attention.cpu_kernel.dtypes import KERNEL_DTYPES
 from backend.attention.cpu_kernel.profiling import kernel_label
 
-KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def takes(*tensors: torch.Tensor) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.attention.base import AttentionMetadata
-from backend.models.cpu_fused import KERNEL_DTYPES
+from backend.attention.cpu_kernel.dtypes import KERNEL_DTYPES
 from backend.models.cpu_linear import packed_linear
 
 

@@ -54,8 +54,8 @@ def adapter(name: str, rank: int, keys, seed: int, digest: str = "", skip_part: 
     return LoRAAdapter(name, rank, 1.0, digest or name, ("q_proj",), weights, columns)
 
 
-def cast(ad: LoRAAdapter, dtype: torch.dtype) -> LoRAAdapter:
-    weights = {key: (a.to(dtype), b.to(dtype)) for key, (a, b) in ad.weights.items()}
+def cast(ad: LoRAAdapter, dtype: torch.dtype, device: torch.device | str = "cpu") -> LoRAAdapter:
+    weights = {key: (a.to(device, dtype), b.to(device, dtype)) for key, (a, b) in ad.weights.items()}
     return LoRAAdapter(ad.name, ad.rank, ad.scaling, ad.digest, ad.targets, weights, ad.part_columns)
 
 
@@ -68,36 +68,57 @@ def deltas(step: LoRAStep, keys, x: torch.Tensor) -> dict:
     return found
 
 
+KEYS = [(0, "o_proj"), (0, "gate_up_proj"), (1, "qkv_proj"), (1, "down_proj")]
+
+
+def layouts() -> list[tuple[list[LoRAAdapter], list[tuple[int, int]]]]:
+    """Steps in order, one slot set across them: (adapters, each one's decode rows)."""
+    a = adapter("a", 8, KEYS, 1)
+    b = adapter("b", 4, KEYS[:3], 2, skip_part=1)  # a lower rank, not every projection, k (and up) untargeted
+    c = adapter("c", 2, KEYS[2:], 3)
+    return [
+        ([a, b, c], [(1, 4), (4, 5), (5, 13)]),  # uneven: padded slots; 8 rows: two row blocks of the kernel; row 0 has none
+        ([c, a], [(0, 6), (6, 12)]),  # b's slot is free for nobody new; c and a keep theirs
+        ([adapter("d", 8, KEYS, 4), a], [(0, 3), (3, 6)]),  # d takes over a slot this step does not use
+        ([adapter("a", 8, KEYS, 5, digest="a2"), b], [(0, 2), (2, 12)]),  # a reloaded with new weights
+        ([c], [(2, 7)]),  # one adapter alone
+    ]
+
+
+def strided_input(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[13, IN] decode rows, a view with a row stride larger than its width."""
+    wide = torch.randn(13, IN + 7, generator=torch.Generator().manual_seed(9)).to(device, dtype)
+    return wide[:, 3:3 + IN]
+
+
+def checked_steps(slots: LoRASlots, x: torch.Tensor, tolerance: dict):
+    """Runs every layout through ``slots`` and through the per-adapter path; asserts the same deltas
+    and the base output kept on rows of no adapter; yields (adapters, plan) for the caller's checks."""
+    for adapters, segments in layouts():
+        adapters = [cast(ad, slots.dtype, slots.device) for ad in adapters]
+        plan = slots.plan(adapters, segments)
+        batched = deltas(LoRAStep(slots=slots, decode_plan=plan), KEYS, x)
+        plain = deltas(LoRAStep([(ad, [seg]) for ad, seg in zip(adapters, segments, strict=True)]), KEYS, x)
+        untouched = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        for start, end in segments:
+            untouched[start:end] = False
+        for key in KEYS:
+            torch.testing.assert_close(batched[key].float(), plain[key].float(), **tolerance)
+            assert (batched[key][untouched] == 1).all()  # rows of no adapter keep the base output
+        yield adapters, plan
+
+
+def tolerance_for(dtype: torch.dtype) -> dict:
+    return {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-1}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", ["torch", "native", "avx2"])
 def test_batched_decode_rows_equal_the_per_adapter_path(path, dtype):
-    keys = [(0, "o_proj"), (0, "gate_up_proj"), (1, "qkv_proj"), (1, "down_proj")]
-    a = adapter("a", 8, keys, 1)
-    b = adapter("b", 4, keys[:3], 2, skip_part=1)  # a lower rank, not every projection, k (and up) untargeted
-    c = adapter("c", 2, keys[2:], 3)
     slots = LoRASlots(3, MAX_RANK, dtype, torch.device("cpu"))
     slots.use_kernels(kernels_for(path))
     assert (slots.kernels is None) == (path == "torch")
-    wide = torch.randn(13, IN + 7, generator=torch.Generator().manual_seed(9))
-    x = wide[:, 3:3 + IN].to(dtype) if dtype == torch.float32 else wide.to(dtype)[:, 3:3 + IN]  # a strided view
+    x = strided_input(dtype)
     assert not x.is_contiguous()
-    layouts = [
-        ([a, b, c], [(1, 4), (4, 5), (5, 13)]),  # uneven: padded slots; 8 rows: two row blocks of the kernel
-        ([c, a], [(0, 6), (6, 12)]),  # b's slot is free for nobody new; c and a keep theirs
-        ([adapter("d", 8, keys, 4), a], [(0, 3), (3, 6)]),  # d takes over a slot this step does not use
-        ([adapter("a", 8, keys, 5, digest="a2"), b], [(0, 2), (2, 12)]),  # a reloaded with new weights
-        ([c], [(2, 7)]),  # one adapter alone
-    ]
-    tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-1}
-    for adapters, segments in layouts:
-        adapters = [cast(ad, dtype) for ad in adapters]
-        plan = slots.plan(adapters, segments)
-        batched = deltas(LoRAStep(slots=slots, decode_plan=plan), keys, x)
-        plain = deltas(LoRAStep([(ad, [seg]) for ad, seg in zip(adapters, segments, strict=True)]), keys, x)
-        for key in keys:
-            torch.testing.assert_close(batched[key].float(), plain[key].float(), **tolerance)
-            untouched = torch.ones(x.shape[0], dtype=torch.bool)
-            for start, end in segments:
-                untouched[start:end] = False
-            assert (batched[key][untouched] == 1).all()  # rows of no adapter keep the base output
+    for adapters, _ in checked_steps(slots, x, tolerance_for(dtype)):
         assert sorted(n for n in slots.names if n in {ad.name for ad in adapters}) == sorted(ad.name for ad in adapters)

@@ -21,12 +21,6 @@ namespace {
 
 using namespace llm_cpu;
 
-#if defined(LLM_CPU_AVX512)
-using Vec = Avx512;
-#elif defined(LLM_CPU_AVX2)
-using Vec = Avx2;
-#endif
-
 template <typename T>
 void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
 #pragma omp parallel for schedule(static) if (rows > 1)

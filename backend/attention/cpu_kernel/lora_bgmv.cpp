@@ -21,12 +21,6 @@ namespace {
 
 using namespace llm_cpu;
 
-#if defined(LLM_CPU_AVX512)
-using Vec = Avx512;
-#elif defined(LLM_CPU_AVX2)
-using Vec = Avx2;
-#endif
-
 constexpr int kRows = 4;     // rows of one slot computed together
 constexpr int kShrink = 4;   // shrink outputs (rank entries) computed together
 constexpr int kColumns = 4;  // vectors of output columns computed together in the expand

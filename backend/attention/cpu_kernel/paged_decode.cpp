@@ -459,11 +459,6 @@ void paged_decode(int dtype, const void* query, const void* key_cache, const voi
                   const int32_t* block_tables, const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
                   int num_kv_heads, int head_size, int block_size, int max_blocks, float scale,
                   int sliding_window) {
-#ifdef LLM_CPU_AVX512
-  using Vec = Avx512;
-#elif defined(LLM_CPU_AVX2)
-  using Vec = Avx2;
-#endif
 #ifdef LLM_CPU_AVX2
   if (head_size % Vec::width == 0) {
     if (dtype == 0) {

@@ -1,7 +1,8 @@
 // Shared by the CPU kernels: bfloat16 <-> float32 (round to nearest even, as torch does), the AVX2
 // helpers (loads that widen bfloat16, horizontal sums, a vectorized exp), and two vector "traits"
 // (Avx2, Avx512: the same small API over 8 or 16 float lanes) that the attention kernels are
-// written against once. Which exist depends on the -march the library was built for.
+// written against once, and ``Vec``, the widest of them this build has. Which exist depends on the
+// -march the library was built for.
 #pragma once
 
 #include <cmath>
@@ -246,5 +247,12 @@ struct Avx512 {
   static reg sums(const reg* a) { return horizontal_sums16(a); }
 };
 #endif  // LLM_CPU_AVX512
+
+// The widest traits this build has: what the kernels are instantiated with.
+#if defined(LLM_CPU_AVX512)
+using Vec = Avx512;
+#elif defined(LLM_CPU_AVX2)
+using Vec = Avx2;
+#endif
 
 }  // namespace llm_cpu
