@@ -115,8 +115,14 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_size)
-        if self.kernels is not None and self.q_norm is None and rotary.rotary_dim == self.head_size \
+        if self.kernels is not None and rotary.rotary_dim == self.head_size \
                 and cpu_fused.takes(qkv, rotary.cos_sin_cache, *kv_cache) and positions.dtype == torch.int64:
+            if self.q_norm is not None:  # normalised heads written back in place, then the fused pass
+                qkv[:, : self.q_size] = self.q_norm(qkv[:, : self.q_size].reshape(-1, self.head_size)).view(
+                    num_tokens, self.q_size)
+                qkv[:, self.q_size : self.q_size + self.kv_size] = self.k_norm(
+                    qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, self.head_size)).view(
+                    num_tokens, self.kv_size)
             # rotary embedding and the cache write in one pass (the backend then skips its write)
             q, k = cpu_fused.rope_cache(self.kernels, qkv, positions, rotary.cos_sin_cache, kv_cache[0], kv_cache[1],
                                         metadata.slot_mapping, self.num_heads)
@@ -298,13 +304,14 @@ class LlamaForCausalLM(nn.Module):
                     linear.lora_hook, linear.lora_key = hook, (index, name)
 
     def use_cpu_kernels(self, kernels) -> int:
-        """Runs every RMSNorm, SiLU x up and rotary embedding + cache write through the fused CPU
-        kernels; returns how many modules."""
+        """Runs every RMSNorm, SiLU x up, rotary embedding + cache write and sparse MLP's experts
+        through the CPU kernels; returns how many modules."""
         modules = [m for m in self.modules() if isinstance(m, (RMSNorm, LlamaMLP, LlamaAttention))]
         for module in modules:
             module.kernels = kernels
+        experts = [m for m in self.modules() if isinstance(m, SparseMoeBlock) and m.use_kernels(kernels)]
         self.cpu_stack = CpuDecoderStack.build(self, kernels)
-        return len(modules)
+        return len(modules) + len(experts)
 
     @torch.inference_mode()
     def forward(

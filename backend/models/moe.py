@@ -20,6 +20,7 @@ from torch import nn
 from backend.models.activation import activation_fn
 from backend.models.cpu_linear import Linear, packed_linear, prepack_weight
 from backend.models.family import MoeSpec
+from backend.models.moe_cpu import CpuExperts
 
 
 class SparseMoeBlock(nn.Module):
@@ -32,10 +33,21 @@ class SparseMoeBlock(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(spec.num_experts, 2 * inter, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(spec.num_experts, hidden_size, inter))
         self.act = activation_fn(activation)
+        self.act_name = activation
         self.shared_expert = shared_expert  # Qwen2-MoE: a dense MLP every token also runs, gated
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN-packed (CPU)
         self.reduce = None  # tensor-parallel: the group's all-reduce, once for every expert (backend/parallel)
+        self.cpu_experts: CpuExperts | None = None  # the experts as one CPU kernel call, see use_kernels
+
+    def use_kernels(self, kernels) -> bool:
+        """Runs the experts through the CPU kernel (moe_cpu.py) where it serves them."""
+        if not CpuExperts.serves(self.experts_gate_up, self.act_name):
+            return False
+        self.cpu_experts = CpuExperts(kernels, self.experts_gate_up, self.experts_down)
+        if self.cpu_experts.max_tokens is None:  # the kernel serves every step: oneDNN's copies are not needed
+            self.packed = None
+        return True
 
     def prepack(self) -> bool:
         """Each expert's two GEMMs on oneDNN-prepacked weights, as every Linear (cpu_linear.py)."""
@@ -56,6 +68,8 @@ class SparseMoeBlock(nn.Module):
         weights, experts = self.route(x)
         if self.spec.weights_in_model_dtype:
             weights = weights.to(x.dtype)
+        if self.cpu_experts is not None and self.cpu_experts.takes(x):
+            return self.finish(x, self.cpu_experts(x, weights, experts))
         top_k = self.spec.top_k
         flat = experts.reshape(-1)  # [num_tokens * top_k]
         order = torch.argsort(flat, stable=True)
@@ -80,6 +94,10 @@ class SparseMoeBlock(nn.Module):
             down = down * pair_weight[start:end]  # [count, hidden_size]
             out.index_add_(0, token_of[start:end], down.to(x.dtype))
             start = end
+        return self.finish(x, out)
+
+    def finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # both [num_tokens, hidden_size]
+        """The routed experts' sum plus the shared expert, summed over tensor-parallel ranks."""
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.reduce is not None:

@@ -1,8 +1,8 @@
 """Builds (once) and loads the CPU kernels: paged decode and prefill attention (``paged_decode.cpp``,
 ``paged_prefill.cpp``), the fused RMSNorm, SiLU x up and rotary embedding + cache write
 (``fused_ops.cpp``), structured output's token mask (``token_bitmask.cpp``), the tensor-parallel
-ranks' shared-memory barrier (``shm_barrier.cpp``) and the LoRA deltas of a step's decode rows
-(``lora_bgmv.cpp``), one shared library.
+ranks' shared-memory barrier (``shm_barrier.cpp``), the LoRA deltas of a step's decode rows
+(``lora_bgmv.cpp``) and a sparse MLP's experts (``moe_experts.cpp``), one shared library.
 Built with ``-march=native`` (the library is built where it runs: AVX-512 and AVX512_BF16 paths
 where the CPU has them, AVX2 otherwise) and ``-ffp-contract=off`` (float32 products that torch
 rounds separately are not fused behind our back; the kernels ask for FMAs explicitly).
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "paged_decode.cpp", HERE / "paged_prefill.cpp", HERE / "fused_ops.cpp", HERE / "token_bitmask.cpp",
-           HERE / "shm_barrier.cpp", HERE / "lora_bgmv.cpp"]
+           HERE / "shm_barrier.cpp", HERE / "lora_bgmv.cpp", HERE / "moe_experts.cpp"]
 HEADERS = [HERE / "simd.h"]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 LIBRARY_NAME = "libllm_cpu_kernels.so"
@@ -103,7 +103,7 @@ def build_library(extra_flags: tuple[str, ...] = ()) -> Path:
 
 class CpuKernels:
     """The loaded library: ``paged_decode``, ``fused_rms_norm``, ``fused_silu_mul``, ``fused_rope_cache``,
-    ``apply_token_bitmask``, ``shm_barrier``, ``lora_bgmv`` (ctypes functions)
+    ``apply_token_bitmask``, ``shm_barrier``, ``lora_bgmv``, ``moe_experts`` (ctypes functions)
     and the shape limits paged_decode was compiled with."""
 
     def __init__(self, path: Path):
@@ -138,6 +138,8 @@ class CpuKernels:
         self.shm_barrier.restype = integer
         self.lora_bgmv = self._function("lora_bgmv", [integer, pointer, size, pointer, size, pointer, pointer, integer,
                                                       pointer, pointer, size, size, size, integer, pointer])
+        self.moe_experts = self._function("moe_experts", [integer, pointer, size, size, size, pointer, pointer, size,
+                                                          integer, integer, pointer, pointer, pointer])
 
     def _function(self, name: str, argtypes: list):
         function = getattr(self.library, name)
