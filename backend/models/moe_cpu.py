@@ -7,11 +7,12 @@ weight block once for all of its expert's rows, spreading all experts' blocks ov
 once. The weights are repacked once at load into the kernel's blocked layout, which replaces the
 oneDNN-packed copy (the plain parameters stay, as for every projection).
 
-Taken for SiLU experts in float32 or bfloat16 on the CPU kernels (``use_cpu_kernels``). In float32
-it serves every step, within a few percent of oneDNN's GEMMs even for long prefills, so the
-oneDNN-packed expert copies are dropped. In bfloat16 oneDNN's ``vdpbf16ps`` GEMMs win from about 50
-tokens a step (the kernel multiplies in float32), so the kernel takes steps of at most
-``BF16_MAX_TOKENS`` tokens and both copies are kept (perf/RESULTS.md).
+Taken for SiLU experts in float32 or bfloat16 on the CPU kernels (``use_cpu_kernels``). In float32,
+and in bfloat16 where the library multiplies by ``vdpbf16ps`` (AVX512_BF16: weights packed in depth
+pairs), it serves every step, within about 10% of oneDNN's GEMMs even for 2,048-token prefills and
+faster below 512 tokens, so the oneDNN-packed expert copies are dropped. Without AVX512_BF16 the
+bfloat16 kernel multiplies in float32 and oneDNN wins from about 50 tokens a step, so it takes steps
+of at most ``BF16_MAX_TOKENS`` tokens and both copies are kept (perf/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -24,27 +25,37 @@ from backend.attention.cpu_kernel.profiling import kernel_label
 
 BLOCK = 64  # packed columns per weight block (moe_experts.cpp's kBlock)
 HALF = 32  # intermediate columns per gate_up block: 32 gate, then the same 32 up
-BF16_MAX_TOKENS = 48  # bfloat16 steps with more tokens run the oneDNN GEMMs (see the module docstring)
+BF16_MAX_TOKENS = 48  # without AVX512_BF16, bfloat16 steps with more tokens run oneDNN's GEMMs (see above)
 
 
 def round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:  # [E, 2 * I, H] (gate rows, then up rows) -> [E, I_pad / 32, H, 64]
+def pack_gate_up(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """[E, 2 * I, H] (gate rows, then up rows) -> [E, I_pad / 32, H, 64], or in depth pairs."""
     experts, double, hidden = weight.shape
     inter = double // 2
     padded = round_up(inter, HALF)
     gate = F.pad(weight[:, :inter], (0, 0, 0, padded - inter)).view(experts, padded // HALF, HALF, hidden)
     up = F.pad(weight[:, inter:], (0, 0, 0, padded - inter)).view(experts, padded // HALF, HALF, hidden)
-    return torch.cat([gate, up], dim=2).transpose(2, 3).contiguous()
+    packed = torch.cat([gate, up], dim=2).transpose(2, 3)
+    return in_depth_pairs(packed) if pairs else packed.contiguous()
 
 
-def pack_down(weight: torch.Tensor, inter_padded: int) -> torch.Tensor:  # [E, H, I] -> [E, H_pad / 64, I_pad, 64]
+def pack_down(weight: torch.Tensor, inter_padded: int, pairs: bool = False) -> torch.Tensor:
+    """[E, H, I] -> [E, H_pad / 64, I_pad, 64], or in depth pairs."""
     experts, hidden, inter = weight.shape
     padded = round_up(hidden, BLOCK)
     full = F.pad(weight, (0, inter_padded - inter, 0, padded - hidden))  # [E, H_pad, I_pad]
-    return full.view(experts, padded // BLOCK, BLOCK, inter_padded).transpose(2, 3).contiguous()
+    packed = full.view(experts, padded // BLOCK, BLOCK, inter_padded).transpose(2, 3)
+    return in_depth_pairs(packed) if pairs else packed.contiguous()
+
+
+def in_depth_pairs(packed: torch.Tensor) -> torch.Tensor:  # [..., depth, 64] -> [..., ceil(depth / 2), 64, 2]
+    """Two consecutive depths of each column side by side: vdpbf16ps's operand layout."""
+    padded = F.pad(packed, (0, 0, 0, packed.shape[-2] % 2))  # an odd depth gets a zero row
+    return padded.unflatten(-2, (-1, 2)).transpose(-1, -2).contiguous()
 
 
 class CpuExperts:
@@ -55,10 +66,11 @@ class CpuExperts:
         self.kernels = kernels
         self.num_experts, _, self.hidden = gate_up.shape
         self.dtype = gate_up.dtype
-        self.gate_up = pack_gate_up(gate_up.detach())
+        pairs = self.dtype == torch.bfloat16 and bool(kernels.moe_experts_bf16_pairs())  # the library's layout
+        self.gate_up = pack_gate_up(gate_up.detach(), pairs)
         self.inter_padded = self.gate_up.shape[1] * HALF
-        self.down = pack_down(down.detach(), self.inter_padded)
-        self.max_tokens = BF16_MAX_TOKENS if self.dtype == torch.bfloat16 else None  # None: every step
+        self.down = pack_down(down.detach(), self.inter_padded, pairs)
+        self.max_tokens = BF16_MAX_TOKENS if self.dtype == torch.bfloat16 and not pairs else None  # None: every step
 
     @staticmethod
     def serves(weight: torch.Tensor, activation: str) -> bool:

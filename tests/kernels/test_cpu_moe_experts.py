@@ -3,8 +3,11 @@ CPU's build and the AVX2-only one, against the torch path of the same block (one
 expert): float32 within 1e-5 relative (summation order and a 2e-7 exp), bfloat16 with under 2% of
 elements a rounding apart (the GEMMs' sums run in another order, so a rounding of gate or up can
 flip and carry through). Shapes with remainders everywhere (hidden 70: a partial 64-column down
-block and vector tails; intermediate 45: a zero-padded gate_up block), experts nobody chose, top-3,
-a strided input, Mixtral's float32 router weights in a bfloat16 model and a shared expert."""
+block and vector tails; intermediate 45: a zero-padded gate_up block; hidden 33: an odd depth),
+experts nobody chose, top-3,
+a strided input, Mixtral's float32 router weights in a bfloat16 model and a shared expert. Where the
+build has AVX512_BF16, bfloat16 weights are packed in depth pairs (vdpbf16ps), so the native build
+tests that layout and the AVX2 build the plain one."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from tests.kernels.conftest import both_builds
 SHAPES = {  # (num_experts, hidden, intermediate, top_k)
     "smollm2_like": (8, 576, 768, 2),
     "remainders": (6, 70, 45, 3),
+    "odd_hidden": (4, 33, 20, 2),  # an odd depth: vdpbf16ps's last pair is half padding
 }
 
 
@@ -105,13 +109,16 @@ def test_which_steps_and_copies_the_kernel_takes(kernels):
     assert fp32.use_kernels(kernels) and fp32.packed is None  # float32: the kernel serves every step
     assert fp32.cpu_experts.takes(torch.randn(4096, 70))
     bf16 = block_for("remainders", torch.bfloat16)
-    if bf16.packed is None:  # pragma: no cover (oneDNN cannot pack bfloat16 on this CPU)
-        pytest.skip("no oneDNN bfloat16 packing here")
-    assert bf16.use_kernels(kernels) and bf16.packed is not None  # bfloat16: oneDNN keeps the long prefills
+    packed = bf16.packed is not None
+    assert bf16.use_kernels(kernels)
     x = torch.randn(BF16_MAX_TOKENS + 1, 70).to(torch.bfloat16)
-    assert bf16.cpu_experts.takes(x[:BF16_MAX_TOKENS]) and not bf16.cpu_experts.takes(x)
-    with torch.inference_mode():
-        torch.testing.assert_close(bf16(x), SparseMoeBlock.forward(_without_kernel(bf16), x), rtol=0, atol=0)
+    if kernels.moe_experts_bf16_pairs():  # vdpbf16ps: every step, oneDNN's copies dropped
+        assert bf16.packed is None and bf16.cpu_experts.takes(x)
+    else:  # float32 multiplies: oneDNN keeps the longer steps
+        assert (bf16.packed is not None) == packed
+        assert bf16.cpu_experts.takes(x[:BF16_MAX_TOKENS]) and not bf16.cpu_experts.takes(x)
+        with torch.inference_mode():
+            torch.testing.assert_close(bf16(x), SparseMoeBlock.forward(_without_kernel(bf16), x), rtol=0, atol=0)
     gelu = SparseMoeBlock(70, MoeSpec(6, 3, 45, True, True), "gelu_pytorch_tanh")
     assert not gelu.use_kernels(kernels) and gelu.cpu_experts is None  # only the SiLU gate is in the kernel
 
@@ -133,3 +140,8 @@ def test_the_packed_layouts():
     assert packed_down.shape == (2, 2, 64, 64)
     assert packed_down[1, 1, 44, 5].item() == down[1, 64 + 5, 44].item()
     assert (packed_down[:, :, 45:] == 0).all() and (packed_down[:, 1, :, 6:] == 0).all()
+    paired = pack_gate_up(gate_up, pairs=True)  # [E, 2 blocks, ceil(H / 2), 64, 2]: vdpbf16ps's layout
+    assert paired.shape == (2, 2, 3, 64, 2)
+    assert paired[1, 1, 1, 3, 1].item() == packed[1, 1, 3, 3].item()  # depth 3 = pair 1, second half
+    assert (paired[:, :, 2, :, 1] == 0).all()  # H = 5 is odd: the last pair's second half is zero
+    assert pack_down(down, 64, pairs=True).shape == (2, 2, 32, 64, 2)

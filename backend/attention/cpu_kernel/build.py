@@ -140,6 +140,8 @@ class CpuKernels:
                                                       pointer, pointer, size, size, size, integer, pointer])
         self.moe_experts = self._function("moe_experts", [integer, pointer, size, size, size, pointer, pointer, size,
                                                           integer, integer, pointer, pointer, pointer])
+        self.moe_experts_bf16_pairs = self.library.moe_experts_bf16_pairs
+        self.moe_experts_bf16_pairs.restype, self.moe_experts_bf16_pairs.argtypes = integer, []
 
     def _function(self, name: str, argtypes: list):
         function = getattr(self.library, name)
