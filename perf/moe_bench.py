@@ -1,13 +1,13 @@
 """Mixture of experts against vLLM CPU, and what a sliding window costs (issue 35).
 
-    .venv/bin/python -m perf.moe_bench [--part vllm,window] [--repeat 3] [--num-requests 32]
+    .venv/bin/python -m perf.moe_bench [--part vllm,window] [--repeat 3] [--num-requests 32] [--dtype float32]
 
 ``vllm``: a random Qwen3-MoE checkpoint about SmolLM2-135M's size in active parameters (its
 hidden size, layers, heads and vocabulary; 8 experts of half its MLP width, top 2, so a token runs
 as many MLP weights as SmolLM2's) with SmolLM2's tokenizer, built once into
 ``models/qwen3-moe-smol``; then ``perf.compare --systems engine,vllm`` on a model repository copy
 serving it (both systems on the same folder and prompts, alternating ``--repeat`` times, vLLM in
-its default and tuned setups, medians).
+its default and tuned setups, medians; ``--dtype`` for both).
 
 ``window``: a Gemma 3 layout of the same size (five sliding layers of ``--window`` positions to
 one global, transformers' default pattern) against the same weights with every layer global,
@@ -93,8 +93,8 @@ def part_vllm(args) -> None:
         repo = repository_with_overrides(REPO_ROOT / "model_repository", "llm",
                                          {"model_dir": str(folder), "tokenizer_dir": str(folder)}, Path(tmp))
         command = [sys.executable, "-m", "perf.compare", "--model-repository", str(repo), "--systems", "engine,vllm",
-                   "--num-requests", str(args.num_requests), "--repeat", str(args.repeat),
-                   "--out-dir", str(RESULTS / "compare")]
+                   "--num-requests", str(args.num_requests), "--repeat", str(args.repeat), "--dtype", args.dtype,
+                   "--out-dir", str(RESULTS / ("compare" if args.dtype == "float32" else f"compare-{args.dtype}"))]
         print("$", " ".join(command), flush=True)
         subprocess.run(command, check=True, cwd=REPO_ROOT)
 
@@ -149,6 +149,7 @@ def main() -> None:
     parser.add_argument("--part", default="vllm,window")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the vllm part's dtype")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--window-requests", type=int, default=8)
     parser.add_argument("--window-input-len", default="3072")
