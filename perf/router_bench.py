@@ -11,7 +11,8 @@ their own long system prompts, growing multi-turn sessions, Poisson arrivals). v
 policies get the requests over OpenAI HTTP with an ``x-session-id`` header naming the session
 (what ``consistent_hash`` keys on); ``nginx`` is our compose routing (deploy/nginx.conf: consistent
 hash of the same header) over Triton gRPC; ``kv_aware+affinity`` is kv_aware with the router's
-session affinity (a session's later turns stay where its first was costed). Reported per policy: TTFT and ITL p50/p99, output
+session affinity (a session's later turns stay where its first was costed); ``kv_aware+t4`` samples
+replicas from softmax(-cost / 4) (``--router-temperature``) instead of taking the cheapest. Reported per policy: TTFT and ITL p50/p99, output
 tokens/s, requests per replica, and the fleet's prefix-cache hit rate (hits / lookups summed over
 the replicas' /metrics) against the ideal of one replica with an unbounded cache.
 """
@@ -43,6 +44,7 @@ from perf.served import RESULTS_DIR
 REPOSITORIES = {"demo": REPO_ROOT / "models" / "demo-repository", "smollm2": REPO_ROOT / "model_repository"}
 POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "nginx")  # and kv_aware+affinity
 AFFINITY_SUFFIX = "+affinity"
+TEMPERATURE_SUFFIX = "+t"  # kv_aware+t4: the router's softmax temperature 4
 SESSION_AFFINITY_TTL_SECONDS = 300
 HEADROOM = 1.25  # a replica's pool against its share of the fleet's working set
 
@@ -63,10 +65,11 @@ def session_key(items: list[WorkItem]) -> dict[int, str]:
 
 def measure(policy: str, args, items: list[WorkItem], overrides: dict[str, str]) -> dict:
     keys = session_key(items)
-    router_policy = "round_robin" if policy == "nginx" else policy.removesuffix(AFFINITY_SUFFIX)
-    affinity = SESSION_AFFINITY_TTL_SECONDS if policy.endswith(AFFINITY_SUFFIX) else None
+    base, _, temperature = policy.partition(TEMPERATURE_SUFFIX)
+    router_policy = "round_robin" if policy == "nginx" else base.removesuffix(AFFINITY_SUFFIX)
+    affinity = SESSION_AFFINITY_TTL_SECONDS if base.endswith(AFFINITY_SUFFIX) else None
     replicas = Replicas(args.replicas, router_policy, model_repository=REPOSITORIES[args.model], overrides=overrides,
-                        session_affinity_ttl=affinity)
+                        session_affinity_ttl=affinity, router_temperature=float(temperature) if temperature else None)
     proxy = None
     try:
         if policy == "nginx":

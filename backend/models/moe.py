@@ -8,7 +8,9 @@ nothing. Experts are stacked in two parameters ([num_experts, 2 * intermediate, 
 [num_experts, hidden, intermediate]) the loader fills from the per-expert checkpoint tensors;
 nothing here assumes the experts share a device with each other beyond those two tensors (expert
 parallelism would shard their first dimension). Tensor-parallel, each rank holds every expert's
-share of the intermediate dimension and the block's output is summed over the ranks once.
+share of the intermediate dimension and the block's output is summed over the ranks once. On the
+CPU kernels (``use_kernels``) the experts run in one kernel call instead (moe_cpu.py); the routing
+stays here, so both paths choose the same experts with the same weights.
 """
 
 from __future__ import annotations

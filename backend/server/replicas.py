@@ -118,12 +118,17 @@ def block_size_of(repository: Path) -> int:
 
 def router_command(replicas: list[ReplicaPorts], policy: str, port: int, prometheus_port: int, block_size: int,
                    host: str = "127.0.0.1", model: str = "llm", log_level: str = "info",
-                   session_affinity_ttl: int | None = None, roles: list[str] | None = None) -> list[str]:
+                   session_affinity_ttl: int | None = None, roles: list[str] | None = None,
+                   router_temperature: float | None = None) -> list[str]:
     """vllm-router's command line. ``session_affinity_ttl`` (kv_aware only): a session (its
     ``x-session-id`` header) stays on the replica its first request was costed to until it has been
     idle this many seconds; its later turns skip the render calls. ``roles`` (one per replica):
-    with prefill and decode replicas, the router's disaggregated mode over them."""
+    with prefill and decode replicas, the router's disaggregated mode over them.
+    ``router_temperature`` (kv_aware only): the router samples a replica from a softmax of minus
+    its costs over this temperature instead of taking the cheapest (0, the router's default), so
+    equal costs spread over the replicas."""
     check_session_affinity(policy, session_affinity_ttl)
+    check_router_temperature(policy, router_temperature)
     binary = shutil.which("vllm-router", path=os.path.dirname(sys.executable)) or shutil.which("vllm-router")
     if binary is None:
         raise ReplicaError("vllm-router is not installed: `make setup` installs it (pyproject's router extra)")
@@ -150,6 +155,8 @@ def router_command(replicas: list[ReplicaPorts], policy: str, port: int, prometh
                         "--kv-event-replay-source", f"{ports.url}={ports.replay_endpoint}"]
         if session_affinity_ttl is not None:
             command += ["--kv-aware-session-affinity-ttl-secs", str(session_affinity_ttl)]
+        if router_temperature is not None:
+            command += ["--router-temperature", repr(float(router_temperature))]
     return command
 
 
@@ -162,6 +169,16 @@ def replica_cpus(num_replicas: int, cpus: list[int] | None = None) -> list[set[i
         return [{cpus[index % len(cpus)]} for index in range(num_replicas)]
     share = len(cpus) // num_replicas
     return [set(cpus[index * share:(index + 1) * share]) for index in range(num_replicas)]
+
+
+def check_router_temperature(policy: str, router_temperature: float | None) -> None:
+    """vllm-router's softmax temperature applies to kv_aware only and must be a finite number >= 0."""
+    if router_temperature is None:
+        return
+    if policy != "kv_aware":
+        raise ValueError(f"--router-temperature: only with the kv_aware policy, not {policy}")
+    if not 0 <= router_temperature < float("inf"):
+        raise ValueError(f"--router-temperature: a finite number >= 0, got {router_temperature}")
 
 
 def check_session_affinity(policy: str, session_affinity_ttl: int | None) -> None:
@@ -189,10 +206,10 @@ class Replicas:
                  model_repository: Path = DEFAULT_MODEL_REPOSITORY, log_dir: Path | None = None,
                  host: str = "127.0.0.1", overrides: dict[str, str] | None = None, router_log_level: str = "info",
                  session_affinity_ttl: int | None = None, pin_cpus: bool = True, num_prefill: int = 0,
-                 num_decode: int = 0) -> None:
+                 num_decode: int = 0, router_temperature: float | None = None) -> None:
         """``overrides``: `llm` parameters every replica changes; ``router_log_level`` debug logs each
-        routing decision (what the router believes each replica has cached); ``session_affinity_ttl``:
-        see :func:`router_command`; ``pin_cpus``: each replica runs on its own CPUs (:func:`replica_cpus`);
+        routing decision (what the router believes each replica has cached); ``session_affinity_ttl``
+        and ``router_temperature``: see :func:`router_command`; ``pin_cpus``: each replica runs on its own CPUs (:func:`replica_cpus`);
         ``num_prefill`` and ``num_decode`` (both, instead of ``num_replicas``): disaggregated serving."""
         if num_prefill or num_decode:
             if num_prefill < 1 or num_decode < 1:
@@ -209,6 +226,8 @@ class Replicas:
         self.router_log_level = router_log_level
         self.session_affinity_ttl = session_affinity_ttl
         check_session_affinity(policy, session_affinity_ttl)
+        self.router_temperature = router_temperature
+        check_router_temperature(policy, router_temperature)
         self.port = port or free_port()
         self.source = Path(model_repository).resolve()
         self.work_dir = Path(tempfile.mkdtemp(prefix="replicas-"))
@@ -292,7 +311,8 @@ class Replicas:
             raise ReplicaError(f"vllm-router is already running (pid {self.router.pid})")
         command = router_command(self.ports, self.policy, self.port, free_port(), block_size_of(self.source),
                                  host=self.host, log_level=self.router_log_level,
-                                 session_affinity_ttl=self.session_affinity_ttl, roles=self.roles)
+                                 session_affinity_ttl=self.session_affinity_ttl, roles=self.roles,
+                                 router_temperature=self.router_temperature)
         with open(self.log_path(None), "ab") as log:
             self.router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True)
@@ -336,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="let every replica run on every CPU (default: each on its own share of them)")
     parser.add_argument("--session-affinity-ttl", type=int, default=None, metavar="SECONDS",
                         help="kv_aware: keep a session (x-session-id header) on one replica until idle this long")
+    parser.add_argument("--router-temperature", type=float, default=None, metavar="T",
+                        help="kv_aware: sample a replica from softmax(-cost / T) instead of the cheapest (default 0)")
     args = parser.parse_args(argv)
     host = "127.0.0.1" if os.environ.get("TRITON_BIND_ALL") is None else "0.0.0.0"
     stopping = False
@@ -350,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     policy = args.policy or ("round_robin" if disaggregated else "kv_aware")
     replicas = Replicas(args.replicas, policy, args.port, args.model_repository, args.log_dir, host,
                         session_affinity_ttl=args.session_affinity_ttl, pin_cpus=not args.no_pin_cpus,
-                        num_prefill=args.prefill, num_decode=args.decode)
+                        num_prefill=args.prefill, num_decode=args.decode, router_temperature=args.router_temperature)
     try:
         print(f"starting {len(replicas.ports)} replicas (logs in {replicas.log_dir})...", flush=True)
         replicas.start()

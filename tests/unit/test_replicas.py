@@ -105,3 +105,16 @@ def test_disaggregated_replicas_get_their_roles_and_the_router_its_pd_mode():
     assert PREFILL_DEFAULTS == {"max_num_batched_tokens": "2048"}  # a prefill replica takes larger steps
     with pytest.raises(ValueError, match="at least 1 each"):
         Replicas(policy="round_robin", num_prefill=1, num_decode=0)
+
+
+def test_the_router_temperature_reaches_kv_aware_only():
+    command = router_command(PORTS, "kv_aware", 8080, 9000, 16, router_temperature=4)
+    assert command[command.index("--router-temperature") + 1] == "4.0"
+    assert "--router-temperature" not in router_command(PORTS, "kv_aware", 8080, 9000, 16)
+    for policy, temperature, message in (("cache_aware", 1.0, "only with the kv_aware policy"),
+                                         ("kv_aware", -0.5, "a finite number >= 0"),
+                                         ("kv_aware", float("nan"), "a finite number >= 0")):
+        with pytest.raises(ValueError, match=message):
+            router_command(PORTS, policy, 8080, 9000, 16, router_temperature=temperature)
+        with pytest.raises(ValueError, match=message):
+            Replicas(2, policy, router_temperature=temperature)
