@@ -4,8 +4,9 @@
 // multiply, a scale and an index_add: about six Python dispatches an expert, and oneDNN GEMMs of a
 // handful of rows. Here the (expert, weight block) tasks of all experts are spread over torch's
 // OpenMP threads at once, each block's weights are read once for all of the expert's rows, and the
-// rows are read in place (no gather). A decode step reads every expert's weights, so this is bound
-// by memory bandwidth; the packed layout makes each task read one contiguous run.
+// rows are read in place (no gather). A small decode step reads every expert's weights for a few
+// rows each, so it is bound by reading them; the packed layout makes each task read one contiguous
+// run, and from a few dozen tokens a step the multiplies themselves take over.
 //
 // Layouts (packed once at load by backend/models/moe_cpu.py):
 //   gate_up [E, I_pad / 32, H, 64]: block b, depth k holds gate columns 32b .. 32b + 31, then the
