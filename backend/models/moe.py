@@ -35,7 +35,7 @@ class SparseMoeBlock(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(spec.num_experts, 2 * inter, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(spec.num_experts, hidden_size, inter))
         self.act = activation_fn(activation)
-        self.act_name = activation
+        self.activation = activation
         self.shared_expert = shared_expert  # Qwen2-MoE: a dense MLP every token also runs, gated
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN-packed (CPU)
@@ -44,7 +44,7 @@ class SparseMoeBlock(nn.Module):
 
     def use_kernels(self, kernels) -> bool:
         """Runs the experts through the CPU kernel (moe_cpu.py) where it serves them."""
-        if not CpuExperts.serves(self.experts_gate_up, self.act_name):
+        if not CpuExperts.serves(self.experts_gate_up, self.activation):
             return False
         self.cpu_experts = CpuExperts(kernels, self.experts_gate_up, self.experts_down)
         if self.cpu_experts.max_tokens is None:  # the kernel serves every step: oneDNN's copies are not needed

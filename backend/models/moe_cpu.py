@@ -22,21 +22,19 @@ import torch.nn.functional as F
 
 from backend.attention.cpu_kernel.dtypes import KERNEL_DTYPES
 from backend.attention.cpu_kernel.profiling import kernel_label
+from backend.models import cpu_fused
+from backend.models.shape import ceil_div
 
 BLOCK = 64  # packed columns per weight block (moe_experts.cpp's kBlock)
 HALF = 32  # intermediate columns per gate_up block: 32 gate, then the same 32 up
 BF16_MAX_TOKENS = 48  # without AVX512_BF16, bfloat16 steps with more tokens run oneDNN's GEMMs (see above)
 
 
-def round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
-
-
 def pack_gate_up(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """[E, 2 * I, H] (gate rows, then up rows) -> [E, I_pad / 32, H, 64], or in depth pairs."""
     experts, double, hidden = weight.shape
     inter = double // 2
-    padded = round_up(inter, HALF)
+    padded = ceil_div(inter, HALF) * HALF
     gate = F.pad(weight[:, :inter], (0, 0, 0, padded - inter)).view(experts, padded // HALF, HALF, hidden)
     up = F.pad(weight[:, inter:], (0, 0, 0, padded - inter)).view(experts, padded // HALF, HALF, hidden)
     packed = torch.cat([gate, up], dim=2).transpose(2, 3)
@@ -46,7 +44,7 @@ def pack_gate_up(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
 def pack_down(weight: torch.Tensor, inter_padded: int, pairs: bool = False) -> torch.Tensor:
     """[E, H, I] -> [E, H_pad / 64, I_pad, 64], or in depth pairs."""
     experts, hidden, inter = weight.shape
-    padded = round_up(hidden, BLOCK)
+    padded = ceil_div(hidden, BLOCK) * BLOCK
     full = F.pad(weight, (0, inter_padded - inter, 0, padded - hidden))  # [E, H_pad, I_pad]
     packed = full.view(experts, padded // BLOCK, BLOCK, inter_padded).transpose(2, 3)
     return in_depth_pairs(packed) if pairs else packed.contiguous()
@@ -75,7 +73,7 @@ class CpuExperts:
     @staticmethod
     def serves(weight: torch.Tensor, activation: str) -> bool:
         """Whether the kernel computes these experts (a CPU dtype it takes, the SiLU gate)."""
-        return weight.device.type == "cpu" and weight.dtype in KERNEL_DTYPES and activation == "silu"
+        return cpu_fused.takes(weight) and activation == "silu"
 
     def takes(self, x: torch.Tensor) -> bool:
         return (x.dtype == self.dtype and x.device.type == "cpu" and x.stride(1) == 1 and x.shape[0] > 0

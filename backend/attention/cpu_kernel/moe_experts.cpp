@@ -67,16 +67,6 @@ void block_product(const T* const* rows, int64_t depth, const T* w, float (*resu
 #endif
 }
 
-template <typename T>
-void block_rows(int rows, const T* const* pointers, int64_t depth, const T* w, float (*result)[kBlock]) {
-  switch (rows) {
-    case 4: block_product<4>(pointers, depth, w, result); break;
-    case 3: block_product<3>(pointers, depth, w, result); break;
-    case 2: block_product<2>(pointers, depth, w, result); break;
-    default: block_product<1>(pointers, depth, w, result); break;
-  }
-}
-
 #ifdef LLM_CPU_AVX512_BF16
 constexpr bool kBf16Pairs = true;
 
@@ -114,19 +104,26 @@ void block_product_pairs(const uint16_t* const* rows, int64_t depth, const uint1
 constexpr bool kBf16Pairs = false;
 #endif
 
+// One block product of R rows: by vdpbf16ps on depth pairs for bfloat16 where the build has
+// AVX512_BF16, else by FMAs.
+template <int R, typename T>
+void block_product_of(const T* const* rows, int64_t depth, const T* w, float (*result)[kBlock]) {
+#ifdef LLM_CPU_AVX512_BF16
+  if constexpr (std::is_same_v<T, uint16_t>)
+    block_product_pairs<R>(rows, depth, w, result);
+  else
+#endif
+    block_product<R>(rows, depth, w, result);
+}
+
 template <typename T>
 void product(int rows, const T* const* pointers, int64_t depth, const T* w, float (*result)[kBlock]) {
-#ifdef LLM_CPU_AVX512_BF16
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    switch (rows) {
-      case 4: block_product_pairs<4>(pointers, depth, w, result); return;
-      case 3: block_product_pairs<3>(pointers, depth, w, result); return;
-      case 2: block_product_pairs<2>(pointers, depth, w, result); return;
-      default: block_product_pairs<1>(pointers, depth, w, result); return;
-    }
+  switch (rows) {
+    case 4: block_product_of<4>(pointers, depth, w, result); break;
+    case 3: block_product_of<3>(pointers, depth, w, result); break;
+    case 2: block_product_of<2>(pointers, depth, w, result); break;
+    default: block_product_of<1>(pointers, depth, w, result); break;
   }
-#endif
-  block_rows(rows, pointers, depth, w, result);
 }
 
 // h[j] = round(round(silu(round(gate[j]))) * round(up[j])) for the 32 columns of one block row.
