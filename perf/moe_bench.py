@@ -1,6 +1,7 @@
 """Mixture of experts against vLLM CPU, and what a sliding window costs (issue 35).
 
-    .venv/bin/python -m perf.moe_bench [--part vllm,window] [--repeat 3] [--num-requests 32] [--dtype float32]
+    .venv/bin/python -m perf.moe_bench [--part vllm,window,window-memory] [--repeat 3] [--num-requests 32]
+        [--dtype float32]
 
 ``vllm``: a random Qwen3-MoE checkpoint about SmolLM2-135M's size in active parameters (its
 hidden size, layers, heads and vocabulary; 8 experts of half its MLP width, top 2, so a token runs
@@ -12,7 +13,15 @@ its default and tuned setups, medians; ``--dtype`` for both).
 ``window``: a Gemma 3 layout of the same size (five sliding layers of ``--window`` positions to
 one global, transformers' default pattern) against the same weights with every layer global,
 in-process, long prompts (``--window-input-len``), the two alternating per round: output tokens/s,
-TTFT p50 and step time, medians. Results: perf/results/moe/ (json) and the tables on stdout.
+TTFT p50 and step time, medians.
+
+``window-memory``: a Mistral layout of the same size (every layer a ``--window`` sliding window)
+in a KV pool that holds ``--memory-pool-requests`` requests at full length, ``--window-requests``
+long requests at once; blocks the window has passed given back (as served) against every block
+kept (the manager's window set to 0, a measuring baseline only), alternating: output tokens/s,
+TTFT p50, preemptions and the most requests running at once, medians.
+
+Results: perf/results/moe/ (json) and the tables on stdout.
 """
 
 from __future__ import annotations
@@ -87,6 +96,16 @@ def build_gemma(out: Path, window: int, sliding: bool) -> Path:
     return save_random(Gemma3ForCausalLM, config, out)
 
 
+def build_mistral(out: Path, window: int) -> Path:
+    from transformers import MistralConfig, MistralForCausalLM  # noqa: PLC0415
+
+    shape = smollm2_shape()
+    inter = shape.pop("intermediate")
+    config = MistralConfig(**shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+                           intermediate_size=inter, sliding_window=window, max_position_embeddings=8192)
+    return save_random(MistralForCausalLM, config, out)
+
+
 def part_vllm(args) -> None:
     folder = build_moe(REPO_ROOT / "models" / "qwen3-moe-smol")
     with tempfile.TemporaryDirectory(prefix="moe-repo-") as tmp:
@@ -99,19 +118,21 @@ def part_vllm(args) -> None:
         subprocess.run(command, check=True, cwd=REPO_ROOT)
 
 
-def engine_for(folder: Path, max_model_len: int) -> LLMEngine:
+def engine_for(folder: Path, max_model_len: int, num_kv_blocks: int = 0, max_num_batched_tokens: int = 2048,
+               ) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(model_dir=str(folder), tokenizer_dir=str(folder), dtype="float32", device="cpu",
                           max_model_len=max_model_len),
-        cache=CacheConfig(block_size=16, kv_cache_memory_mb=4096, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
+        cache=CacheConfig(block_size=16, kv_cache_memory_mb=4096, num_kv_blocks=num_kv_blocks,
+                          enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens),
     ))
 
 
-def measure(engine: LLMEngine, requests) -> dict:
+def measure(engine: LLMEngine, requests, on_step=None) -> dict:
     """Every request at once: output tokens/s, TTFT p50 and the median gap between tokens."""
     work = [(prompt, SamplingParams(max_tokens=length, ignore_eos=True)) for prompt, length in requests]
-    result = run(engine, work)
+    result = run(engine, work, on_step=on_step)
     records = result.records
     gaps = [b - a for r in records for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
     return {"output_tokens_per_s": sum(r.num_output_tokens for r in records) / result.duration_s,
@@ -144,6 +165,41 @@ def part_window(args) -> dict:
     return {"table": table, "runs": samples}
 
 
+def part_window_memory(args) -> dict:
+    folder = build_mistral(REPO_ROOT / "models" / f"mistral-smol-w{args.window}", args.window)
+    input_len, output_len = int(args.window_input_len), int(args.window_output_len)
+    full_length_blocks = -(-(input_len + output_len) // 16)
+    num_blocks = args.memory_pool_requests * full_length_blocks + 1
+    engines = {"window frees": engine_for(folder, 4096, num_blocks, args.memory_chunk),
+               "every block kept": engine_for(folder, 4096, num_blocks, args.memory_chunk)}
+    engines["every block kept"].kv_cache_manager.sliding_window = 0  # the baseline: nothing given back
+    builder = prompt_builder(engines["window frees"].config)
+    requests = token_workload(builder, args.window_requests, args.window_input_len, args.window_output_len, seed=1)
+    for engine in engines.values():
+        warm_up(engine, requests[0][0])
+    samples: dict[str, list[dict]] = {name: [] for name in engines}
+    for round_index in range(args.repeat):
+        for name, engine in engines.items():
+            preemptions = engine.stats().num_preemptions
+            running = [0]
+            summary = measure(engine, requests,
+                              on_step=lambda _, e=engine, seen=running: seen.append(len(e.scheduler.running)))
+            most_running = max(running)
+            summary |= {"preemptions": engine.stats().num_preemptions - preemptions, "most_running": most_running}
+            samples[name].append(summary)
+            print(f"round {round_index + 1}/{args.repeat} {name}: {summary['output_tokens_per_s']:.1f} tok/s, "
+                  f"TTFT p50 {summary['ttft_p50_ms']:.0f} ms, {summary['preemptions']} preemptions, "
+                  f"at most {most_running} running", flush=True)
+    table = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in samples.items()}
+    print(f"\n| Mistral layout (window {args.window}, {input_len} in / {output_len} out, {args.window_requests} "
+          f"requests, {num_blocks} blocks of 16) | output tok/s | TTFT p50 ms | ITL p50 ms | preemptions | "
+          "most running |\n|---|---|---|---|---|---|")
+    for name, row in table.items():
+        print(f"| {name} | {row['output_tokens_per_s']:.1f} | {row['ttft_p50_ms']:.0f} | {row['itl_p50_ms']:.1f} | "
+              f"{row['preemptions']:.0f} | {row['most_running']:.0f} |")
+    return {"table": table, "runs": samples, "num_kv_blocks": num_blocks}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", default="vllm,window")
@@ -154,6 +210,9 @@ def main() -> None:
     parser.add_argument("--window-requests", type=int, default=8)
     parser.add_argument("--window-input-len", default="3072")
     parser.add_argument("--window-output-len", default="32")
+    parser.add_argument("--memory-pool-requests", type=int, default=2,
+                        help="window-memory: the pool holds this many requests at full length")
+    parser.add_argument("--memory-chunk", type=int, default=512, help="window-memory: max_num_batched_tokens")
     args = parser.parse_args()
     parts = args.part.split(",")
     if "vllm" in parts:
@@ -163,6 +222,11 @@ def main() -> None:
         RESULTS.mkdir(parents=True, exist_ok=True)
         write_json({"when": now_iso(), "git": git_state(), "machine": machine_info(), "settings": vars(args),
                     "dtype": "float32", **result}, RESULTS / "window.json")
+    if "window-memory" in parts:
+        result = part_window_memory(args)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        write_json({"when": now_iso(), "git": git_state(), "machine": machine_info(), "settings": vars(args),
+                    "dtype": "float32", **result}, RESULTS / "window_memory.json")
 
 
 if __name__ == "__main__":

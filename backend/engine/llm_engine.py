@@ -79,7 +79,7 @@ class LLMEngine:
         block_size = self.model_runner.block_size
         self.offloader = build_offloader(config.cache, self.model_runner.kv_caches, block_size, config.model.model_dir)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size, config.cache.enable_prefix_caching,
-                                               self.offloader)
+                                               self.offloader, self.model_runner.model.family.shared_window)
         self.kv_cache_manager.block_io = self.model_runner.block_io  # writes blocks loaded from the tier or a prefill engine
         self.kv_cache_manager.copy_blocks = self.model_runner.copy_blocks  # copy-on-write, on every rank
         # Disaggregated serving (kv_role): a prefill engine's transfer server or a decode engine's puller.

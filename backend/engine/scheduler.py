@@ -139,13 +139,13 @@ class Scheduler:
         if total > self.max_model_len:
             return (f"max_tokens: {max_tokens} plus the prompt's {num_prompt} tokens exceeds max_model_len "
                     f"({self.max_model_len})")
-        block_size = self.kv_cache_manager.block_size
-        num_needed = ceil_div(total, block_size)
-        num_usable = self.kv_cache_manager.num_blocks - 1
+        kv = self.kv_cache_manager
+        budget = self.scheduler_config.max_num_batched_tokens
+        num_needed = kv.max_blocks_held(total, budget)  # with a sliding window: the window's blocks and a chunk's
+        num_usable = kv.num_blocks - 1
         if num_needed > num_usable:
             return (f"max_tokens: prompt + max_tokens = {total} tokens need {num_needed} KV cache blocks of "
-                    f"{block_size} tokens, but the cache has only {num_usable}")
-        budget = self.scheduler_config.max_num_batched_tokens
+                    f"{kv.block_size} tokens, but the cache has only {num_usable}")
         if not self.scheduler_config.enable_chunked_prefill and num_prompt > budget:
             return (f"text_input: the prompt ({num_prompt} tokens) exceeds max_num_batched_tokens ({budget}) "
                     "and chunked prefill is disabled")

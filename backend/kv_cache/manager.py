@@ -10,6 +10,15 @@ Same-step hits (invariant the attention backends must keep): a block is hashed w
 allocated, before its KV is computed, so another request scheduled in the same step may hit it.
 That is safe because every backend writes all new K/V of the step into the cache before any query
 attends. It also means every scheduled step must be executed (see ``allocate_slots``).
+
+Sliding windows (``sliding_window`` W > 0: every layer of the model slides, as in Mistral and
+Mixtral checkpoints with ``sliding_window`` set): a query at position p reads keys p - W + 1 .. p
+only, so before a request computes from position p, its blocks wholly before p - W + 1 are read by
+no layer again. They are given back (the table keeps the null block in their place, as vLLM's
+sliding-window manager does) and the request holds about ``W / block_size + 1`` blocks however long
+it grows. A given-back block that was cached stays in the prefix cache until evicted; a prefix hit
+still needs every block of the prefix cached, since the chain is verified from its first block.
+A prefill engine (``transfer_server``) keeps every block: a pull reads the whole prompt.
 """
 
 from __future__ import annotations
@@ -28,12 +37,18 @@ from backend.models.shape import ceil_div
 class KVCacheManager:
     """Allocates and frees block tables for requests; finds and registers cached prefix blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, offloader=None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, offloader=None,
+                 sliding_window: int = 0) -> None:
         """``offloader`` (a KVOffloader, needs ``enable_caching``) adds the second tier: evicted
-        cached blocks spill to it and come back on a later miss (``find_external``)."""
+        cached blocks spill to it and come back on a later miss (``find_external``).
+        ``sliding_window``: the window every layer of the model has (0: some layer is global)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.num_window_freed = 0  # blocks given back because the window had passed them
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -64,6 +79,16 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens (prompt + output) holds at once when
+        it computes at most ``max_chunk`` tokens a step: all of them, or with a sliding window the
+        blocks from the window's start to the chunk's end."""
+        every_block = ceil_div(num_tokens, self.block_size)
+        if not self.sliding_window:
+            return every_block
+        chunk = min(num_tokens, max_chunk)
+        return min(every_block, (self.sliding_window + chunk - 2) // self.block_size + 2)
 
     @property
     def usage(self) -> float:
@@ -237,13 +262,15 @@ class KVCacheManager:
             raise ValueError(f"request {child.request_id}: already has blocks")
         blocks = list(self.req_to_blocks.get(parent.request_id, ()))
         if self.share_forks:
-            self.block_pool.touch(blocks)
+            self.block_pool.touch(b for b in blocks if not b.is_null)  # a null entry: out of the window
         else:  # the baseline that sharing is measured against (perf): private copies of every block
-            if len(blocks) > self.block_pool.num_free_blocks:
-                raise RuntimeError(f"fork without sharing needs {len(blocks)} free blocks")
-            copies = self.block_pool.get_new_blocks(len(blocks))
-            self.copy_blocks([b.block_id for b in blocks], [b.block_id for b in copies])
-            blocks = copies
+            live = [b for b in blocks if not b.is_null]
+            if len(live) > self.block_pool.num_free_blocks:
+                raise RuntimeError(f"fork without sharing needs {len(live)} free blocks")
+            copies = self.block_pool.get_new_blocks(len(live))
+            self.copy_blocks([b.block_id for b in live], [b.block_id for b in copies])
+            copied = iter(copies)
+            blocks = [b if b.is_null else next(copied) for b in blocks]
         self.req_to_blocks[child.request_id] = blocks
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
@@ -273,7 +300,8 @@ class KVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Makes room for ``num_new_tokens`` more tokens after the computed ones (and after the
         prefix hit ``new_computed_blocks``, which this references). Returns the newly allocated
-        blocks, or None, changing nothing, when the pool cannot provide them.
+        blocks, or None, changing nothing but the release of blocks a sliding window has passed,
+        when the pool cannot provide them.
 
         Blocks that become full of known tokens are registered in the prefix cache right away:
         the caller must run the step it schedules (their KV is written during that step).
@@ -283,10 +311,16 @@ class KVCacheManager:
         if new_computed_blocks and (req_blocks or request.num_computed_tokens):
             raise ValueError(f"request {request_id}: a prefix hit must start an empty block table")
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_passed = self._num_passed_blocks(num_computed)
+        if num_passed:
+            self._release_passed(req_blocks, num_passed)
+            # the hit's blocks the window has passed are not taken (null entries stand for them)
+            num_skipped = min(num_passed, len(new_computed_blocks))
+            new_computed_blocks = [self.block_pool.null_block] * num_skipped + list(new_computed_blocks[num_skipped:])
         num_required_blocks = ceil_div(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(num_required_blocks - len(req_blocks) - len(new_computed_blocks), 0)
         # Free cached blocks the hit takes back leave the free queue: they are not available.
-        num_hit_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_hit_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null)
         if num_new_blocks > self.block_pool.num_free_blocks - num_hit_free:
             return None
         if req_blocks and num_new_tokens > 0:  # a forked sequence appending to a shared block
@@ -296,7 +330,7 @@ class KVCacheManager:
                 return None
 
         # Touch the hit first so get_new_blocks cannot evict it.
-        self.block_pool.touch(new_computed_blocks)
+        self.block_pool.touch(block for block in new_computed_blocks if not block.is_null)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         req_blocks.extend(new_computed_blocks)
@@ -306,6 +340,24 @@ class KVCacheManager:
             num_known_tokens = min(num_computed + num_new_tokens, request.num_tokens)
             self._cache_full_blocks(request, req_blocks, num_known_tokens // self.block_size)
         return new_blocks
+
+    def _num_passed_blocks(self, num_computed: int) -> int:
+        """How many leading blocks no query from position ``num_computed`` on reads (0 without a
+        sliding window, and on a prefill engine, whose pulls read every prompt block)."""
+        window = self.sliding_window
+        if not window or self.transfer_server is not None or num_computed < window:
+            return 0
+        return (num_computed - window + 1) // self.block_size
+
+    def _release_passed(self, req_blocks: list[KVCacheBlock], num_passed: int) -> None:
+        """Gives back the request's first ``num_passed`` blocks (the later first, so a cached
+        prefix's tail is evicted before its head); null entries take their place."""
+        passed = [block for block in req_blocks[:num_passed] if not block.is_null]
+        if not passed:
+            return
+        req_blocks[:num_passed] = [self.block_pool.null_block] * min(num_passed, len(req_blocks))
+        self.block_pool.free_blocks(reversed(passed))
+        self.num_window_freed += len(passed)
 
     def _needs_copy(self, request: Request, req_blocks: list[KVCacheBlock]) -> bool:
         index, offset = divmod(request.num_computed_tokens, self.block_size)
@@ -319,11 +371,14 @@ class KVCacheManager:
         token_ids, size = request.all_token_ids, self.block_size
         for i in range(start, num_full):
             block = req_blocks[i]
-            if block.block_hash is not None:  # a prefix hit: already cached
+            if block.block_hash is not None or block.is_null:  # a prefix hit (already cached), or passed
                 continue
             # Trap: cache a block only when its parent block is cached, so a cached block's
             # parent is always the table's entry for the parent hash (see BlockPool.cache_full_block).
-            if i and req_blocks[i - 1].block_hash != hashes[i - 1]:
+            # A parent the window has passed may still be cached: the table then knows its hash.
+            parent = req_blocks[i - 1] if i else None
+            if parent is not None and parent.block_hash != hashes[i - 1] and not (
+                    parent.is_null and hashes[i - 1] in self.block_pool.cached_block_hash_to_block):
                 continue
             self.block_pool.cache_full_block(
                 block, hashes[i - 1] if i else request.block_hash_root, token_ids[i * size : (i + 1) * size], hashes[i]
@@ -339,7 +394,7 @@ class KVCacheManager:
             num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
             self.transfer_server.keep_finished(request, blocks, self.block_hashes(request, num_full), self.block_pool)
         request.num_cached_blocks = 0  # its hashes stay: they depend on its tokens alone
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(block for block in reversed(blocks) if not block.is_null)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Frees the request's blocks past the first ``num_tokens`` tokens (tail first): the
@@ -351,7 +406,7 @@ class KVCacheManager:
             return
         tail = blocks[keep:]
         del blocks[keep:]
-        self.block_pool.free_blocks(reversed(tail))
+        self.block_pool.free_blocks(block for block in reversed(tail) if not block.is_null)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (a new list)."""

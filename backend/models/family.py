@@ -72,6 +72,13 @@ class ModelFamily:
                         for spec in self.layers))
 
     @property
+    def shared_window(self) -> int:
+        """The sliding window of every layer (0 when a layer is global or the windows differ):
+        the KV of positions before ``seq_len - window`` is then read by no layer at all."""
+        windows = {spec.sliding_window for spec in self.layers}
+        return (windows.pop() or 0) if len(windows) == 1 else 0
+
+    @property
     def is_moe(self) -> bool:
         return any(spec.moe is not None for spec in self.layers)
 

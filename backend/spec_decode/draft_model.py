@@ -64,7 +64,8 @@ class DraftModelProposer:
                               f"tokens, the target's {target.vocab_size}; they must be the same")
         self.runner = runner
         self.block_size = runner.block_size
-        self.kv = KVCacheManager(runner.num_kv_blocks, runner.block_size, enable_caching=True)
+        self.kv = KVCacheManager(runner.num_kv_blocks, runner.block_size, enable_caching=True,
+                                 sliding_window=runner.model.family.shared_window)
         self.sequences: dict[str, DraftSequence] = {}
         self._generator = torch.Generator(device=runner.device)
         self._generator.manual_seed(config.model.seed + DRAFT_SEED_OFFSET)

@@ -37,12 +37,13 @@ from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
 from backend.engine_core.messages import AddRequest
 from backend.engine_core.process_client import ProcessClient
+from backend.models.family import ModelFamily
 from backend.models.shape import ModelShape
 from backend.parallel.shard import TensorShard, local_shape
 from tests.conftest import DEMO_REPOSITORY
 from tests.unit import test_model_families as families
 from tests.unit import test_real_model_parity as real
-from tests.unit.random_models import build_random_model, get_random_model
+from tests.unit.random_models import build_random_model, get_random_model, make_config
 
 WORKER_MODULE = b"backend.parallel.worker"
 
@@ -179,7 +180,9 @@ def test_each_family_at_size_2_equals_transformers_with_chunks_prefix_hits_and_p
     expected, gaps = families.hf_reference(model_key, shared_prefix=37)
     prompts = families.prompts_for(model_key, shared_prefix=37)
     longest = max(len(p) for p in prompts) + families.MAX_TOKENS
-    engine = family_engine(model_key, 2, 2 * -(-longest // 16) + 2, str(demo_model_dir))  # too few: preemption
+    window = ModelFamily.of(make_config(model_key)).shared_window  # every layer slides: a request holds its window
+    per_request = (window + 24 - 2) // 16 + 2 if window else -(-longest // 16)
+    engine = family_engine(model_key, 2, 2 * per_request + 2, str(demo_model_dir))  # too few: preemption
     try:
         first = families.generate(engine, prompts)
         second = families.generate(engine, prompts)
