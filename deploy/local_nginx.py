@@ -5,6 +5,10 @@ they render the same file with the upstream servers replaced by ``127.0.0.1:<por
 listen address by a loopback port, keeping every routing directive as it is (``hash`` or the
 default round-robin can be chosen for the benchmark's comparison). nginx comes from Debian;
 ``find_nginx`` installs it with apt-get when it is missing and this process may do so.
+
+``start_nginx_http`` runs the same upstream routing (the same ``hash`` directive) as an HTTP proxy
+in front of the replicas' OpenAI fronts instead: what perf/router_bench.py compares vllm-router's
+policies with on the same transport (client, one proxy hop, OpenAI front), streaming unbuffered.
 """
 
 from __future__ import annotations
@@ -73,6 +77,58 @@ def render(listen_port: int, upstream_ports: list[int], consistent_hash: bool = 
     return text
 
 
+HTTP_CONF = """worker_processes 1;
+pid nginx.pid;
+
+events {
+    worker_connections 1024;
+}
+
+http {
+    access_log off;
+
+    upstream openai_http {
+        %(hash)s
+        %(servers)s
+        keepalive 64;
+    }
+
+    server {
+        listen 127.0.0.1:%(port)d;
+        client_max_body_size 64m;
+
+        location / {
+            proxy_pass http://openai_http;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+            proxy_send_timeout 600s;
+            proxy_connect_timeout 2s;
+            proxy_next_upstream error timeout http_502 http_503;
+            proxy_next_upstream_tries 2;
+        }
+    }
+}
+"""
+
+
+def render_http(listen_port: int, upstream_ports: list[int], temp_dir: Path | None = None) -> str:
+    """An HTTP (OpenAI front) proxy with deploy/nginx.conf's routing: its hash and server options."""
+    grpc_conf = NGINX_CONF.read_text()
+    match = _SERVERS.search(grpc_conf)
+    if match is None or HASH_DIRECTIVE not in grpc_conf:
+        raise ValueError("deploy/nginx.conf lost its upstream markers or hash directive")
+    options = _SERVER_LINE.findall(match.group(0))[0][1]
+    servers = "\n        ".join(f"server 127.0.0.1:{port} {options};" for port in upstream_ports)
+    text = HTTP_CONF % {"hash": HASH_DIRECTIVE, "servers": servers, "port": listen_port}
+    if temp_dir is not None:
+        temps = "".join(f"    {kind}_temp_path {temp_dir / kind};\n"
+                        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        text = text.replace("http {\n", "http {\n" + temps, 1)
+    return text
+
+
 def _port_open(port: int) -> bool:
     with contextlib.closing(socket.socket()) as sock:
         sock.settimeout(0.5)
@@ -121,10 +177,22 @@ class LocalNginx:
 def start_nginx(listen_port: int, upstream_ports: list[int], consistent_hash: bool = True,
                 nginx_binary: str | None = None, ready_timeout: float = 15.0) -> LocalNginx:
     """Starts nginx in the foreground (``daemon off``) on ``listen_port``; returns once it listens."""
+    return _start(lambda prefix: render(listen_port, upstream_ports, consistent_hash, temp_dir=prefix),
+                  listen_port, nginx_binary, ready_timeout)
+
+
+def start_nginx_http(listen_port: int, upstream_ports: list[int], nginx_binary: str | None = None,
+                     ready_timeout: float = 15.0) -> LocalNginx:
+    """``render_http``'s proxy on ``listen_port`` in front of OpenAI fronts on ``upstream_ports``."""
+    return _start(lambda prefix: render_http(listen_port, upstream_ports, temp_dir=prefix),
+                  listen_port, nginx_binary, ready_timeout)
+
+
+def _start(conf_text, listen_port: int, nginx_binary: str | None, ready_timeout: float) -> LocalNginx:
     binary = nginx_binary or find_nginx()
     prefix = Path(tempfile.mkdtemp(prefix="nginx-"))
     conf = prefix / "nginx.conf"
-    conf.write_text(render(listen_port, upstream_ports, consistent_hash, temp_dir=prefix))
+    conf.write_text(conf_text(prefix))
     command = [binary, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log"),
                "-g", f"daemon off; error_log {prefix / 'error.log'} info;"]
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

@@ -1,7 +1,8 @@
 """Routing policies over N replicas on a multi-tenant workload: vllm-router's policies and our nginx hash.
 
     .venv/bin/python -m perf.router_bench [--model demo|smollm2] [--replicas 3] [--rounds 1]
-        [--policies kv_aware,cache_aware,consistent_hash,round_robin,nginx,kv_aware+affinity] [--tenants 6 ...]
+        [--policies kv_aware,cache_aware,consistent_hash,round_robin,nginx,nginx-http,kv_aware+affinity]
+        [--tenants 6 ...]
 
 For each round, each policy in turn (alternating across rounds) gets fresh replicas (empty prefix
 caches; backend/server/replicas.py) whose KV pools are sized so that the fleet holds every tenant's
@@ -10,7 +11,9 @@ more tenants than the fleet can cache), and the same requests (client.bench's te
 their own long system prompts, growing multi-turn sessions, Poisson arrivals). vllm-router's
 policies get the requests over OpenAI HTTP with an ``x-session-id`` header naming the session
 (what ``consistent_hash`` keys on); ``nginx`` is our compose routing (deploy/nginx.conf: consistent
-hash of the same header) over Triton gRPC; ``kv_aware+affinity`` is kv_aware with the router's
+hash of the same header) over Triton gRPC; ``nginx-http`` the same hash over OpenAI HTTP in front of
+the replicas' fronts (deploy/local_nginx.py ``start_nginx_http``: the transport vllm-router's
+policies use, so ITL compares routing, not transports); ``kv_aware+affinity`` is kv_aware with the router's
 session affinity (a session's later turns stay where its first was costed); ``kv_aware+t4`` samples
 replicas from softmax(-cost / 4) (``--router-temperature``) instead of taking the cheapest. Reported per policy: TTFT and ITL p50/p99, output
 tokens/s, requests per replica, and the fleet's prefix-cache hit rate (hits / lookups summed over
@@ -37,12 +40,13 @@ from client.bench.runner import API_OPENAI, API_TRITON, run_workload
 from client.bench.stats import compute_metrics
 from client.bench.tenants import Tenants, build_tenant_workload, prefix_reuse
 from client.bench.workload import WorkItem
-from deploy.local_nginx import start_nginx
+from deploy.local_nginx import start_nginx, start_nginx_http
 from deploy.replica_metrics import PREFIX_HITS, PREFIX_QUERIES, SUCCESS, read_counters
 from perf.served import RESULTS_DIR
 
 REPOSITORIES = {"demo": REPO_ROOT / "models" / "demo-repository", "smollm2": REPO_ROOT / "model_repository"}
-POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "nginx")  # and kv_aware+affinity
+POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "nginx")  # and nginx-http, kv_aware+affinity
+NGINX_POLICIES = ("nginx", "nginx-http")
 AFFINITY_SUFFIX = "+affinity"
 TEMPERATURE_SUFFIX = "+t"  # kv_aware+t4: the router's softmax temperature 4
 SESSION_AFFINITY_TTL_SECONDS = 300
@@ -66,19 +70,23 @@ def session_key(items: list[WorkItem]) -> dict[int, str]:
 def measure(policy: str, args, items: list[WorkItem], overrides: dict[str, str]) -> dict:
     keys = session_key(items)
     base, _, temperature = policy.partition(TEMPERATURE_SUFFIX)
-    router_policy = "round_robin" if policy == "nginx" else base.removesuffix(AFFINITY_SUFFIX)
+    router_policy = "round_robin" if policy in NGINX_POLICIES else base.removesuffix(AFFINITY_SUFFIX)
     affinity = SESSION_AFFINITY_TTL_SECONDS if base.endswith(AFFINITY_SUFFIX) else None
     replicas = Replicas(args.replicas, router_policy, model_repository=REPOSITORIES[args.model], overrides=overrides,
                         session_affinity_ttl=affinity, router_temperature=float(temperature) if temperature else None)
     proxy = None
     try:
-        if policy == "nginx":
+        if policy in NGINX_POLICIES:
             for index in range(args.replicas):
                 replicas.start_replica(index)
             for index in range(args.replicas):
                 replicas.wait_replica(index)
-            proxy = start_nginx(replicas.port, [ports.grpc for ports in replicas.ports], consistent_hash=True)
-            url, api = proxy.url, API_TRITON
+            if policy == "nginx":
+                proxy = start_nginx(replicas.port, [ports.grpc for ports in replicas.ports], consistent_hash=True)
+                url, api = proxy.url, API_TRITON
+            else:
+                proxy = start_nginx_http(replicas.port, [ports.openai for ports in replicas.ports])
+                url, api = f"http://{proxy.url}", API_OPENAI
         else:
             replicas.start()
             url, api = replicas.url, API_OPENAI
