@@ -53,13 +53,9 @@ class OpenAIStreamingClient:
             "model": self.model, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": 0.0,
             "ignore_eos": bool(ignore_eos), "stream": True, "stream_options": {"include_usage": True},
         }).encode("utf-8")
-        if self._connection is None:
-            self._connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         result = StreamResult(start_time=time.monotonic())
-        self._connection.request("POST", "/v1/completions", body=body,
-                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream",
-                                          **(headers or {})})
-        response = self._connection.getresponse()
+        response = self._send(body, {"Content-Type": "application/json", "Accept": "text/event-stream",
+                                     **(headers or {})})
         if response.status != 200:
             detail = response.read().decode("utf-8", "replace")[:500]
             result.error = f"HTTP {response.status}: {detail}"
@@ -80,6 +76,23 @@ class OpenAIStreamingClient:
         if result.error is None and result.num_output_tokens is None:
             result.error = "the stream ended without a usage chunk (token counts unknown)"
         return result
+
+    def _send(self, body: bytes, headers: dict[str, str]) -> http.client.HTTPResponse:
+        """POSTs on the kept-alive connection. A server (or proxy: nginx's keepalive_timeout) may
+        have closed it while it sat idle; then the request never reached it, and it goes once more
+        on a new connection, as pooled HTTP clients do."""
+        for attempt in (0, 1):
+            reused = self._connection is not None
+            if self._connection is None:
+                self._connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            try:
+                self._connection.request("POST", "/v1/completions", body=body, headers=headers)
+                return self._connection.getresponse()
+            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+                self.close()
+                if not reused or attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _read_chunk(result: StreamResult, chunk: dict, now: float, on_chunk) -> None:

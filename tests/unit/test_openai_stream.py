@@ -105,3 +105,27 @@ def test_unreachable_server_is_a_failed_request_not_a_crash():
     items = [WorkItem(prompt="x", num_input_tokens=1, max_tokens=2)]
     completed, _ = run_workload("http://127.0.0.1:9", "demo", items, ArrivalPattern("concurrency", 1), api=API_OPENAI)
     assert completed[0].record.error is not None and "Connection" in completed[0].record.error
+
+
+class _ClosesIdleConnections(_FakeCompletions):
+    """Like a proxy's keepalive timeout: the connection is closed after each response without a
+    ``Connection: close`` header, so the client finds out only when it reuses it."""
+
+    def do_POST(self) -> None:  # noqa: N802
+        super().do_POST()
+        self.close_connection = True
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced_once():
+    _FakeCompletions.requests_seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ClosesIdleConnections)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with OpenAIStreamingClient(f"http://127.0.0.1:{server.server_address[1]}", "demo") as client:
+            first = client.generate("a", max_tokens=2)
+            second = client.generate("a b", max_tokens=3)  # the first connection is gone by now
+        assert first.error is None and second.error is None and second.num_output_tokens == 3
+        assert len(_FakeCompletions.requests_seen) == 2  # each request reached the server once
+    finally:
+        server.shutdown()
+        server.server_close()
