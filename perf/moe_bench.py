@@ -140,6 +140,21 @@ def measure(engine: LLMEngine, requests, on_step=None) -> dict:
             "itl_p50_ms": 1000 * statistics.median(gaps)}
 
 
+def alternate(engines: dict[str, LLMEngine], requests, repeat: int, measure_one=measure) -> tuple[dict, dict]:
+    """Every engine warmed up, then ``repeat`` rounds of each in turn: the runs and their medians."""
+    for engine in engines.values():
+        warm_up(engine, requests[0][0])
+    samples: dict[str, list[dict]] = {name: [] for name in engines}
+    for round_index in range(repeat):
+        for name, engine in engines.items():
+            summary = measure_one(engine, requests)
+            samples[name].append(summary)
+            print(f"round {round_index + 1}/{repeat} {name}: "
+                  + ", ".join(f"{key} {value:.1f}" for key, value in summary.items()), flush=True)
+    table = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in samples.items()}
+    return samples, table
+
+
 def part_window(args) -> dict:
     root = REPO_ROOT / "models"
     folders = {"sliding": build_gemma(root / f"gemma3-smol-w{args.window}", args.window, True),
@@ -148,21 +163,20 @@ def part_window(args) -> dict:
     engines = {name: engine_for(folder, max_model_len) for name, folder in folders.items()}
     builder = prompt_builder(engines["sliding"].config)
     requests = token_workload(builder, args.window_requests, args.window_input_len, args.window_output_len, seed=1)
-    for engine in engines.values():
-        warm_up(engine, requests[0][0])
-    samples: dict[str, list[dict]] = {name: [] for name in engines}
-    for round_index in range(args.repeat):
-        for name, engine in engines.items():
-            summary = measure(engine, requests)
-            samples[name].append(summary)
-            print(f"round {round_index + 1}/{args.repeat} {name}: {summary['output_tokens_per_s']:.1f} tok/s, "
-                  f"TTFT p50 {summary['ttft_p50_ms']:.0f} ms", flush=True)
-    table = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in samples.items()}
+    samples, table = alternate(engines, requests, args.repeat)
     print(f"\n| layout (window {args.window}, {args.window_input_len} in / {args.window_output_len} out, "
           f"{args.window_requests} requests) | output tok/s | TTFT p50 ms | ITL p50 ms |\n|---|---|---|---|")
     for name, row in table.items():
         print(f"| {name} | {row['output_tokens_per_s']:.1f} | {row['ttft_p50_ms']:.0f} | {row['itl_p50_ms']:.1f} |")
     return {"table": table, "runs": samples}
+
+
+def measure_held(engine: LLMEngine, requests) -> dict:
+    """``measure`` plus the run's preemptions and the most requests running at once."""
+    preemptions = engine.stats().num_preemptions
+    running = [0]
+    summary = measure(engine, requests, on_step=lambda _: running.append(len(engine.scheduler.running)))
+    return summary | {"preemptions": engine.stats().num_preemptions - preemptions, "most_running": max(running)}
 
 
 def part_window_memory(args) -> dict:
@@ -175,22 +189,7 @@ def part_window_memory(args) -> dict:
     engines["every block kept"].kv_cache_manager.sliding_window = 0  # the baseline: nothing given back
     builder = prompt_builder(engines["window frees"].config)
     requests = token_workload(builder, args.window_requests, args.window_input_len, args.window_output_len, seed=1)
-    for engine in engines.values():
-        warm_up(engine, requests[0][0])
-    samples: dict[str, list[dict]] = {name: [] for name in engines}
-    for round_index in range(args.repeat):
-        for name, engine in engines.items():
-            preemptions = engine.stats().num_preemptions
-            running = [0]
-            summary = measure(engine, requests,
-                              on_step=lambda _, e=engine, seen=running: seen.append(len(e.scheduler.running)))
-            most_running = max(running)
-            summary |= {"preemptions": engine.stats().num_preemptions - preemptions, "most_running": most_running}
-            samples[name].append(summary)
-            print(f"round {round_index + 1}/{args.repeat} {name}: {summary['output_tokens_per_s']:.1f} tok/s, "
-                  f"TTFT p50 {summary['ttft_p50_ms']:.0f} ms, {summary['preemptions']} preemptions, "
-                  f"at most {most_running} running", flush=True)
-    table = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in samples.items()}
+    samples, table = alternate(engines, requests, args.repeat, measure_held)
     print(f"\n| Mistral layout (window {args.window}, {input_len} in / {output_len} out, {args.window_requests} "
           f"requests, {num_blocks} blocks of 16) | output tok/s | TTFT p50 ms | ITL p50 ms | preemptions | "
           "most running |\n|---|---|---|---|---|---|")
