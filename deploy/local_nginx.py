@@ -64,17 +64,27 @@ def render(listen_port: int, upstream_ports: list[int], consistent_hash: bool = 
     match = _SERVERS.search(text)
     if match is None or HASH_DIRECTIVE not in text or not _LISTEN.search(text):
         raise ValueError("deploy/nginx.conf lost its upstream markers, hash directive or listen line")
-    options = _SERVER_LINE.findall(match.group(0))[0][1]  # max_fails/fail_timeout as in the file
-    servers = "".join(f"server 127.0.0.1:{port} {options};\n        " for port in upstream_ports)
-    text = text[: match.start()] + servers.rstrip() + text[match.end():]
+    servers = "\n        ".join(_loopback_servers(match, upstream_ports))
+    text = text[: match.start()] + servers + text[match.end():]
     text = _LISTEN.sub(f"listen 127.0.0.1:{listen_port} http2;", text)
     if not consistent_hash:  # round-robin, the baseline of perf/bench_affinity.py
         text = text.replace(HASH_DIRECTIVE, "# round-robin (no hash)")
-    if temp_dir is not None:  # the distribution's compiled-in temp folders may not be writable
-        temps = "".join(f"    {kind}_temp_path {temp_dir / kind};\n"
-                        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-        text = text.replace("http {\n", "http {\n" + temps, 1)
-    return text
+    return _with_temp_paths(text, temp_dir)
+
+
+def _loopback_servers(servers_block: re.Match, upstream_ports: list[int]) -> list[str]:
+    """One upstream ``server`` line per port, with the options (max_fails/fail_timeout) the file gives."""
+    options = _SERVER_LINE.findall(servers_block.group(0))[0][1]
+    return [f"server 127.0.0.1:{port} {options};" for port in upstream_ports]
+
+
+def _with_temp_paths(text: str, temp_dir: Path | None) -> str:
+    """The distribution's compiled-in temp folders may not be writable: put them under ``temp_dir``."""
+    if temp_dir is None:
+        return text
+    temps = "".join(f"    {kind}_temp_path {temp_dir / kind};\n"
+                    for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    return text.replace("http {\n", "http {\n" + temps, 1)
 
 
 HTTP_CONF = """worker_processes 1;
@@ -119,14 +129,8 @@ def render_http(listen_port: int, upstream_ports: list[int], temp_dir: Path | No
     match = _SERVERS.search(grpc_conf)
     if match is None or HASH_DIRECTIVE not in grpc_conf:
         raise ValueError("deploy/nginx.conf lost its upstream markers or hash directive")
-    options = _SERVER_LINE.findall(match.group(0))[0][1]
-    servers = "\n        ".join(f"server 127.0.0.1:{port} {options};" for port in upstream_ports)
-    text = HTTP_CONF % {"hash": HASH_DIRECTIVE, "servers": servers, "port": listen_port}
-    if temp_dir is not None:
-        temps = "".join(f"    {kind}_temp_path {temp_dir / kind};\n"
-                        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-        text = text.replace("http {\n", "http {\n" + temps, 1)
-    return text
+    servers = "\n        ".join(_loopback_servers(match, upstream_ports))
+    return _with_temp_paths(HTTP_CONF % {"hash": HASH_DIRECTIVE, "servers": servers, "port": listen_port}, temp_dir)
 
 
 def _port_open(port: int) -> bool:
