@@ -23,7 +23,7 @@ A prefill engine (``transfer_server``) keeps every block: a pull reads the whole
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -32,6 +32,12 @@ from backend.engine.request import Request
 from backend.kv_cache.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 from backend.kv_cache.offload.tier import StoredBlock
 from backend.models.shape import ceil_div
+
+
+def live(blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+    """A block table's real blocks: without the null entries that stand for blocks a sliding
+    window has passed (the pool never references or frees the null block)."""
+    return [block for block in blocks if not block.is_null]
 
 
 class KVCacheManager:
@@ -262,13 +268,13 @@ class KVCacheManager:
             raise ValueError(f"request {child.request_id}: already has blocks")
         blocks = list(self.req_to_blocks.get(parent.request_id, ()))
         if self.share_forks:
-            self.block_pool.touch(b for b in blocks if not b.is_null)  # a null entry: out of the window
+            self.block_pool.touch(live(blocks))
         else:  # the baseline that sharing is measured against (perf): private copies of every block
-            live = [b for b in blocks if not b.is_null]
-            if len(live) > self.block_pool.num_free_blocks:
-                raise RuntimeError(f"fork without sharing needs {len(live)} free blocks")
-            copies = self.block_pool.get_new_blocks(len(live))
-            self.copy_blocks([b.block_id for b in live], [b.block_id for b in copies])
+            originals = live(blocks)
+            if len(originals) > self.block_pool.num_free_blocks:
+                raise RuntimeError(f"fork without sharing needs {len(originals)} free blocks")
+            copies = self.block_pool.get_new_blocks(len(originals))
+            self.copy_blocks([b.block_id for b in originals], [b.block_id for b in copies])
             copied = iter(copies)
             blocks = [b if b.is_null else next(copied) for b in blocks]
         self.req_to_blocks[child.request_id] = blocks
@@ -320,7 +326,7 @@ class KVCacheManager:
         num_required_blocks = ceil_div(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(num_required_blocks - len(req_blocks) - len(new_computed_blocks), 0)
         # Free cached blocks the hit takes back leave the free queue: they are not available.
-        num_hit_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null)
+        num_hit_free = sum(1 for block in live(new_computed_blocks) if block.ref_cnt == 0)
         if num_new_blocks > self.block_pool.num_free_blocks - num_hit_free:
             return None
         if req_blocks and num_new_tokens > 0:  # a forked sequence appending to a shared block
@@ -330,7 +336,7 @@ class KVCacheManager:
                 return None
 
         # Touch the hit first so get_new_blocks cannot evict it.
-        self.block_pool.touch(block for block in new_computed_blocks if not block.is_null)
+        self.block_pool.touch(live(new_computed_blocks))
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         req_blocks.extend(new_computed_blocks)
@@ -352,7 +358,7 @@ class KVCacheManager:
     def _release_passed(self, req_blocks: list[KVCacheBlock], num_passed: int) -> None:
         """Gives back the request's first ``num_passed`` blocks (the later first, so a cached
         prefix's tail is evicted before its head); null entries take their place."""
-        passed = [block for block in req_blocks[:num_passed] if not block.is_null]
+        passed = live(req_blocks[:num_passed])
         if not passed:
             return
         req_blocks[:num_passed] = [self.block_pool.null_block] * min(num_passed, len(req_blocks))
@@ -394,7 +400,7 @@ class KVCacheManager:
             num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
             self.transfer_server.keep_finished(request, blocks, self.block_hashes(request, num_full), self.block_pool)
         request.num_cached_blocks = 0  # its hashes stay: they depend on its tokens alone
-        self.block_pool.free_blocks(block for block in reversed(blocks) if not block.is_null)
+        self.block_pool.free_blocks(live(reversed(blocks)))
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Frees the request's blocks past the first ``num_tokens`` tokens (tail first): the
@@ -406,7 +412,7 @@ class KVCacheManager:
             return
         tail = blocks[keep:]
         del blocks[keep:]
-        self.block_pool.free_blocks(block for block in reversed(tail) if not block.is_null)
+        self.block_pool.free_blocks(live(reversed(tail)))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (a new list)."""

@@ -37,6 +37,7 @@ from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
 from backend.engine_core.messages import AddRequest
 from backend.engine_core.process_client import ProcessClient
+from backend.kv_cache.manager import KVCacheManager
 from backend.models.family import ModelFamily
 from backend.models.shape import ModelShape
 from backend.parallel.shard import TensorShard, local_shape
@@ -181,7 +182,7 @@ def test_each_family_at_size_2_equals_transformers_with_chunks_prefix_hits_and_p
     prompts = families.prompts_for(model_key, shared_prefix=37)
     longest = max(len(p) for p in prompts) + families.MAX_TOKENS
     window = ModelFamily.of(make_config(model_key)).shared_window  # every layer slides: a request holds its window
-    per_request = (window + 24 - 2) // 16 + 2 if window else -(-longest // 16)
+    per_request = KVCacheManager(2, 16, enable_caching=False, sliding_window=window).max_blocks_held(longest, 24)
     engine = family_engine(model_key, 2, 2 * per_request + 2, str(demo_model_dir))  # too few: preemption
     try:
         first = families.generate(engine, prompts)
