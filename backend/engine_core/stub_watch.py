@@ -139,10 +139,22 @@ def kill_when_stuck(pid: int, seconds: float) -> int:
     return 0
 
 
+def process_start_ticks(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot; 0 when unreadable): with the pid it names one
+    process, where a pid alone is reused by a later one."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return int(handle.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def recovery_record_path(server_pid: int, model: str) -> str:
-    """Where the recoveries of ``model`` in this tritonserver are recorded (one JSON list of times)."""
+    """Where the recoveries of ``model`` in this tritonserver are recorded (one JSON list of times);
+    a later server that gets the same pid does not read them."""
     safe = urllib.parse.quote(model, safe="")
-    return os.path.join(tempfile.gettempdir(), f"triton-llm-stub-recoveries-{server_pid}-{safe}.json")
+    started = process_start_ticks(server_pid)
+    return os.path.join(tempfile.gettempdir(), f"triton-llm-stub-recoveries-{server_pid}-{started}-{safe}.json")
 
 
 def recorded_recoveries(server_pid: int, model: str) -> list[float]:

@@ -94,8 +94,11 @@ class EngineModel(abc.ABC):
         # The dead stub's counter lives on in tritonserver (a family is kept by name and labels), so
         # it is brought up to the recorded count (backend/engine_core/stub_watch.py), not added to.
         recoveries = len(recorded_recoveries(os.getppid(), self.model_name))
-        if recoveries > metrics.stub_recoveries.value():
-            metrics.stub_recoveries.increment(recoveries - metrics.stub_recoveries.value())
+        counted = metrics.stub_recoveries.value()
+        if recoveries > counted:
+            metrics.stub_recoveries.increment(recoveries - counted)
+            logger.warning("model '%s': stub recovery %d in this server (llm_stub_recoveries_total was %g, now %g)",
+                           self.model_name, recoveries, counted, metrics.stub_recoveries.value())
         ready_url = triton_readiness_url(parameters, self.model_name, str(args.get("model_version", "")))
         engine = make_engine_client(
             self.config, step_on_demand=self.step_on_demand, in_process=not use_process,

@@ -100,8 +100,17 @@ def test_kill_9_of_the_stub_reloads_the_model_within_10_s(tmp_path, demo_model_d
     def recoveries_reach(count: int) -> None:
         """The reloaded model's counter starts at 0 until its engine core posts its first stats."""
         read = lambda: metric(read_metrics(metrics), "llm_stub_recoveries_total", model=model)  # noqa: E731
-        wait_for(lambda: read() >= count, 15, f"llm_stub_recoveries_total to reach {count}")
-        assert read() == count
+        deadline = time.monotonic() + 15
+        while (value := read()) < count and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert value == count, f"llm_stub_recoveries_total is {value}, not {count}: {server_events()}"
+
+    def server_events() -> list[str]:
+        """What the launcher's log says about the recoveries and about tritonserver's own end (a
+        restart by the launcher would reset every counter)."""
+        log = (tmp_path / "launcher.log").read_text(errors="replace").splitlines()
+        marks = ("recover", "reload", "Signal", "restart", "exited", "stop_server", "SIGTERM", "tritonserver ready")
+        return [line[:240] for line in log if any(mark in line for mark in marks)][-30:]
 
     def greedy() -> str:
         with StreamingClient(grpc_url, model) as client:
@@ -123,6 +132,8 @@ def test_kill_9_of_the_stub_reloads_the_model_within_10_s(tmp_path, demo_model_d
         time.sleep(3)  # every stream is decoding
         killed_at, _ = kill_and_time_recovery(repo, model, model_ready)
         back_after = time.monotonic() - killed_at
+        assert launcher.poll() is None and "restarting it (restart" not in (tmp_path / "launcher.log").read_text(
+            errors="replace"), f"tritonserver itself went down: {server_events()}"
         after = greedy()
         served_after = time.monotonic() - killed_at
         assert after == before

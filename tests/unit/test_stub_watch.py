@@ -158,3 +158,24 @@ def test_reload_gives_up_when_the_server_is_gone(tmp_path, monkeypatch):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     assert stub_watch.reload_model("http://127.0.0.1:9", "llm", gone.pid) == 1
+
+
+def test_a_record_left_by_an_earlier_server_with_the_same_pid_is_not_read(tmp_path, monkeypatch):
+    """Pids are reused over a long run: the record names the server by pid and start time."""
+    import json
+    import tempfile
+
+    from backend.engine_core import stub_watch
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    alive = sleeper()
+    try:
+        started = stub_watch.process_start_ticks(alive.pid)
+        assert started > 0
+        earlier = tmp_path / f"triton-llm-stub-recoveries-{alive.pid}-{started - 1}-llm.json"
+        earlier.write_text(json.dumps([1.0, 2.0]))
+        assert stub_watch.recorded_recoveries(alive.pid, "llm") == []
+        (tmp_path / f"triton-llm-stub-recoveries-{alive.pid}-{started}-llm.json").write_text(json.dumps([3.0]))
+        assert stub_watch.recorded_recoveries(alive.pid, "llm") == [3.0]
+    finally:
+        alive.kill()
