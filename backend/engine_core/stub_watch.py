@@ -117,11 +117,16 @@ def on_stub_death(watch: StubWatch | None) -> bool:
     return True
 
 
+def _stat_fields(pid: int) -> list[bytes]:
+    """/proc/PID/stat from its third field (the state) on; raises OSError when there is none."""
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        return handle.read().rsplit(b")", 1)[1].split()
+
+
 def process_gone(pid: int) -> bool:
     """Gone, or a zombie (exited, not yet reaped by its parent)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        return _stat_fields(pid)[0] == b"Z"
     except (OSError, IndexError):
         return not process_alive(pid)
 
@@ -143,8 +148,7 @@ def process_start_ticks(pid: int) -> int:
     """When ``pid`` started (clock ticks since boot; 0 when unreadable): with the pid it names one
     process, where a pid alone is reused by a later one."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return int(handle.read().rsplit(b")", 1)[1].split()[19])
+        return int(_stat_fields(pid)[19])  # field 22, starttime
     except (OSError, IndexError, ValueError):
         return 0
 
