@@ -97,8 +97,12 @@ def test_kill_9_of_the_stub_reloads_the_model_within_10_s(tmp_path, demo_model_d
         except Exception:
             return False
 
+    def launcher_log() -> str:
+        return (tmp_path / "launcher.log").read_text(errors="replace")
+
     def recoveries_reach(count: int) -> None:
-        """The reloaded model's counter starts at 0 until its engine core posts its first stats."""
+        """The counter, which the new stub brings up to the recorded count as it loads, reaches
+        ``count`` within 15 s; otherwise the failure names what the launcher's log says."""
         read = lambda: metric(read_metrics(metrics), "llm_stub_recoveries_total", model=model)  # noqa: E731
         deadline = time.monotonic() + 15
         while (value := read()) < count and time.monotonic() < deadline:
@@ -108,7 +112,7 @@ def test_kill_9_of_the_stub_reloads_the_model_within_10_s(tmp_path, demo_model_d
     def server_events() -> list[str]:
         """What the launcher's log says about the recoveries and about tritonserver's own end (a
         restart by the launcher would reset every counter)."""
-        log = (tmp_path / "launcher.log").read_text(errors="replace").splitlines()
+        log = launcher_log().splitlines()
         marks = ("recover", "reload", "Signal", "restart", "exited", "stop_server", "SIGTERM", "tritonserver ready")
         return [line[:240] for line in log if any(mark in line for mark in marks)][-30:]
 
@@ -132,8 +136,8 @@ def test_kill_9_of_the_stub_reloads_the_model_within_10_s(tmp_path, demo_model_d
         time.sleep(3)  # every stream is decoding
         killed_at, _ = kill_and_time_recovery(repo, model, model_ready)
         back_after = time.monotonic() - killed_at
-        assert launcher.poll() is None and "restarting it (restart" not in (tmp_path / "launcher.log").read_text(
-            errors="replace"), f"tritonserver itself went down: {server_events()}"
+        assert launcher.poll() is None and "restarting it (restart" not in launcher_log(), (
+            f"tritonserver itself went down: {server_events()}")
         after = greedy()
         served_after = time.monotonic() - killed_at
         assert after == before
@@ -177,7 +181,7 @@ def test_kill_9_of_the_stub_reloads_the_model_within_10_s(tmp_path, demo_model_d
     finally:
         http.close()  # an open keep-alive connection holds tritonserver's stop for its exit timeout
         stop_process_group(launcher, 60)
-    log = (tmp_path / "launcher.log").read_text(errors="replace")
+    log = launcher_log()
     assert "reloaded in" in log, log[-3000:]
     assert "restarting it (restart" not in log  # the server itself never went down
 
