@@ -2,7 +2,7 @@
 
     .venv/bin/python -m perf.profile_served [--set stream_interval=8 ...] [--num-requests 64] \\
         [--input-len uniform:16:512] [--output-len uniform:16:256] [--triton-client stream-per-user] \\
-        [--no-py-spy] [--no-perf] [--out-dir DIR]
+        [--no-py-spy] [--no-perf] [--py-spy-client] [--out-dir DIR]
 
 Starts tritonserver on the model repository (``--set`` changes `llm`'s config.pbtxt parameters in a
 copy), runs one workload through client.bench's load generator, and records over that window:
@@ -12,7 +12,8 @@ copy), runs one workload through client.bench's load generator, and records over
   through (the `llm` stub, tritonserver, the client), as ms per response;
 * py-spy samples of the `llm` stub (``--nonblocking``: the stub is never paused), per thread, with
   the functions that take the responder thread's time (inclusive and self);
-* ``perf record`` samples of tritonserver, by shared object and by symbol.
+* ``perf record`` samples of tritonserver, by shared object and by symbol;
+* with ``--py-spy-client``, py-spy samples of the load generator itself (this process).
 
 Writes profile.md and profile.json (model, dtype, commit, machine and settings included) and the
 raw py-spy and perf outputs to the report folder (default perf/results/profile-served/<UTC time>).
@@ -89,35 +90,56 @@ def stop_sampler(process: subprocess.Popen | None) -> None:
         process.wait()
 
 
-def py_spy_summary(path: Path) -> dict:
-    """Samples per thread, and for the thread with the most samples of a responder, the functions
-    with the largest inclusive and self shares. A raw line is ``frame;frame;...;leaf count``."""
-    threads: Counter[str] = Counter()
-    inclusive: dict[str, Counter[str]] = {}
-    leaf: dict[str, Counter[str]] = {}
+def read_py_spy(path: Path) -> list[tuple[str, list[str], int]]:
+    """(thread, frames root first, samples) per line of a raw py-spy file (``frame;frame;...;leaf count``);
+    a frame is named ``function (file)``, without its line."""
+    stacks = []
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        thread, functions = frames[0], frames[1:]
-        threads[thread] += int(count)
-        seen = set()
-        for frame in functions:
-            name = frame.split(" (", 1)[0] + " (" + frame.split(" (", 1)[1].rsplit(":", 1)[0] + ")" if " (" in frame else frame
-            if name not in seen:
-                seen.add(name)
-                inclusive.setdefault(thread, Counter())[name] += int(count)
-        if functions:
-            leaf.setdefault(thread, Counter())[functions[-1]] += int(count)
-    responder = max((t for t in threads if any("Responder._run" in f for f in inclusive.get(t, {}))),
-                    key=lambda t: threads[t], default=None)
+        names = [f.split(" (", 1)[0] + " (" + f.split(" (", 1)[1].rsplit(":", 1)[0] + ")" if " (" in f else f
+                 for f in frames[1:]]
+        stacks.append((frames[0], names, int(count)))
+    return stacks
+
+
+def function_shares(stacks: list[tuple[str, list[str], int]]) -> tuple[list, list]:
+    """The functions with the largest inclusive and self shares (%) of ``stacks``' samples."""
+    total = sum(count for _, _, count in stacks) or 1
+    inclusive: Counter[str] = Counter()
+    leaf: Counter[str] = Counter()
+    for _, names, count in stacks:
+        for name in set(names):
+            inclusive[name] += count
+        if names:
+            leaf[names[-1]] += count
+    return ([(name, 100 * n / total) for name, n in inclusive.most_common(TOP)],
+            [(name, 100 * n / total) for name, n in leaf.most_common(TOP)])
+
+
+def py_spy_summary(path: Path) -> dict:
+    """Samples per thread, and for the thread with the most samples of a responder, the functions
+    with the largest inclusive and self shares."""
+    stacks = read_py_spy(path)
+    threads: Counter[str] = Counter()
+    for thread, _, count in stacks:
+        threads[thread] += count
+    responders = {t for t, names, _ in stacks if any("Responder._run" in n for n in names)}
+    responder = max(responders, key=lambda t: threads[t], default=None)
     summary = {"samples_per_thread": dict(threads.most_common()), "responder_thread": responder}
     if responder is not None:
-        total = threads[responder]
-        summary["responder_inclusive"] = [(name, 100 * n / total) for name, n in inclusive[responder].most_common(TOP)]
-        summary["responder_self"] = [(name, 100 * n / total) for name, n in leaf[responder].most_common(TOP)]
+        summary["responder_inclusive"], summary["responder_self"] = function_shares(
+            [s for s in stacks if s[0] == responder])
     return summary
+
+
+def client_py_spy_summary(path: Path) -> dict:
+    """The load generator's samples, every thread together (its users and gRPC's callback threads)."""
+    stacks = read_py_spy(path)
+    inclusive, leaf = function_shares(stacks)
+    return {"samples": sum(count for _, _, count in stacks), "inclusive": inclusive, "self": leaf}
 
 
 def perf_summary(path: Path) -> dict:
@@ -172,6 +194,13 @@ def report(document: dict) -> str:
         for (name, share), (leaf, leaf_share) in zip(spy["responder_inclusive"], spy["responder_self"], strict=False):
             lines.append(f"| {name} | {share:.1f} | {leaf} | {leaf_share:.1f} |")
         lines.append("")
+    client = document.get("client_py_spy") or {}
+    if client.get("samples"):
+        lines += [f"py-spy, the load generator (client), {client['samples']} samples, every thread together:", "",
+                  "| client: function (inclusive) | % | function (self) | % |", "| --- | ---: | --- | ---: |"]
+        for (name, share), (leaf, leaf_share) in zip(client["inclusive"], client["self"], strict=False):
+            lines.append(f"| {name} | {share:.1f} | {leaf} | {leaf_share:.1f} |")
+        lines.append("")
     perf = document.get("perf") or {}
     for key, title in (("by_shared_object", "shared object"), ("by_symbol", "shared object, symbol")):
         if perf.get(key):
@@ -195,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--no-perf", action="store_true")
+    parser.add_argument("--py-spy-client", action="store_true",
+                        help="also sample this process, the load generator (py-spy, every thread)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     try:
@@ -218,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         roles = pids_by_role(os.getpgid(server.process.pid))
         spy = None if args.no_py_spy else start_py_spy(roles["stub llm"], out / "stub-llm.py-spy.txt")
         perf = None if args.no_perf else start_perf(roles["tritonserver"], out / "tritonserver.perf.data")
+        client_spy = start_py_spy(os.getpid(), out / "client.py-spy.txt") if args.py_spy_client else None
         time.sleep(1.0)  # the samplers attach
         cpu = CpuMeter(server.process.pid)
         with Progress("profile", len(items), 10.0) as progress:
@@ -227,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu.stop()
         stop_sampler(spy)
         stop_sampler(perf)
+        stop_sampler(client_spy)
     records = [c.record for c in completed]
     document = {
         "at": now_iso(), "git": git_state(), "machine": machine_info(), "model": engine_config.model.model_dir,
@@ -237,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_errors": sum(1 for r in records if r.error), "cpu_s_by_process": cpu.seconds_by_role(),
         "py_spy": py_spy_summary(out / "stub-llm.py-spy.txt") if spy else None,
         "perf": perf_summary(out / "tritonserver.perf.data") if perf else None,
+        "client_py_spy": client_py_spy_summary(out / "client.py-spy.txt") if client_spy else None,
     }
     (out / "profile.json").write_text(json.dumps(document, indent=2, default=str), encoding="utf-8")
     text = report(document)
