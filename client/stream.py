@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import (
+    InferenceServerException,
+    deserialize_bytes_tensor,
+    np_to_triton_dtype,
+    triton_to_np_dtype,
+)
 
 
 @dataclass(slots=True)
@@ -101,19 +106,34 @@ def build_inputs(prompt: str | None, **options) -> list[grpcclient.InferInput]:
     return inputs
 
 
+def decoded_outputs(raw) -> dict[str, np.ndarray]:
+    """Every output of a ModelInferResponse, decoded once, flat (what ``InferResult.as_numpy`` gives,
+    reshaped to -1). Why not as_numpy: it scans the outputs on each call and the load generator
+    reads several per response, on the same two cores as the server."""
+    arrays = {}
+    contents = raw.raw_output_contents
+    for index, output in enumerate(raw.outputs):
+        if index >= len(contents):
+            break
+        if output.datatype == "BYTES":
+            arrays[output.name] = deserialize_bytes_tensor(contents[index])
+        else:
+            arrays[output.name] = np.frombuffer(contents[index], dtype=triton_to_np_dtype(output.datatype))
+    return arrays
+
+
 def _read_response(result: StreamResult, response, now: float) -> None:
     raw = response.get_response()
-    is_final = raw.parameters["triton_final_response"].bool_param if "triton_final_response" in raw.parameters else False
-    if is_final:
+    if "triton_final_response" in raw.parameters and raw.parameters["triton_final_response"].bool_param:
         result.num_final += 1
-    names = {output.name for output in raw.outputs}
-    if "text_output" not in names:
+    outputs = decoded_outputs(raw)
+    if "text_output" not in outputs:
         return  # an empty final response
     result.num_responses += 1
-    if "sequence_index" in names:
-        _read_samples(result, response, names)
-    text = b"".join(response.as_numpy("text_output").reshape(-1)).decode("utf-8")
-    ids = response.as_numpy("output_ids").reshape(-1).tolist() if "output_ids" in names else []
+    if "sequence_index" in outputs:
+        _read_samples(result, outputs)
+    text = b"".join(outputs["text_output"]).decode("utf-8")
+    ids = outputs["output_ids"].tolist() if "output_ids" in outputs else []
     result.text += text
     result.deltas.append(text)
     result.token_ids.extend(ids)
@@ -121,23 +141,23 @@ def _read_response(result: StreamResult, response, now: float) -> None:
         result.token_times.append(now)
         if result.first_token_time is None:
             result.first_token_time = now
-    if "finish_reason" in names:
-        reason = response.as_numpy("finish_reason").reshape(-1)
+    if "finish_reason" in outputs:
+        reason = outputs["finish_reason"]
         if reason.size and reason[0]:
             result.finish_reason = reason[0].decode()
-    if "output_log_probs" in names:
-        result.output_log_probs.extend(response.as_numpy("output_log_probs").reshape(-1).tolist())
-    if "top_logprobs" in names:
-        result.top_logprobs.extend(json.loads(response.as_numpy("top_logprobs").reshape(-1)[0]))
-    if "cumulative_logprob" in names:
-        result.cumulative_logprob = float(response.as_numpy("cumulative_logprob").reshape(-1)[-1])
-    if "prompt_logprobs" in names:
-        result.prompt_logprobs = response.as_numpy("prompt_logprobs").reshape(-1).tolist()
-    if "num_input_tokens" in names:
-        result.num_input_tokens = int(response.as_numpy("num_input_tokens").reshape(-1)[0])
-    if "num_output_tokens" in names:
-        count = int(response.as_numpy("num_output_tokens").reshape(-1)[0])
-        if "output_ids" in names:
+    if "output_log_probs" in outputs:
+        result.output_log_probs.extend(outputs["output_log_probs"].tolist())
+    if "top_logprobs" in outputs:
+        result.top_logprobs.extend(json.loads(outputs["top_logprobs"][0]))
+    if "cumulative_logprob" in outputs:
+        result.cumulative_logprob = float(outputs["cumulative_logprob"][-1])
+    if "prompt_logprobs" in outputs:
+        result.prompt_logprobs = outputs["prompt_logprobs"].tolist()
+    if "num_input_tokens" in outputs:
+        result.num_input_tokens = int(outputs["num_input_tokens"][0])
+    if "num_output_tokens" in outputs:
+        count = int(outputs["num_output_tokens"][0])
+        if "output_ids" in outputs:
             result.num_output_tokens = count
         else:  # Triton's vLLM backend (return_num_output_tokens): no ids, each response counts its own tokens
             result.num_output_tokens = (result.num_output_tokens or 0) + count
@@ -147,8 +167,8 @@ def _read_response(result: StreamResult, response, now: float) -> None:
                     result.first_token_time = now
     extras = {}
     for name in ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob", "logprobs"):
-        if name in names:
-            value = response.as_numpy(name).reshape(-1)[0]
+        if name in outputs:
+            value = outputs[name][0]
             if name in ("finish_reason", "logprobs"):
                 value = value.decode("utf-8")
                 if name == "logprobs":
@@ -157,15 +177,15 @@ def _read_response(result: StreamResult, response, now: float) -> None:
     result.extras.append(extras)
 
 
-def _read_samples(result: StreamResult, response, names: set[str]) -> None:
+def _read_samples(result: StreamResult, outputs: dict[str, np.ndarray]) -> None:
     """A response of an n > 1 request: one sample's delta (streaming), or all n (its [1, n] tensors,
     ``output_ids`` split by ``num_output_tokens``, not streaming)."""
-    indices = response.as_numpy("sequence_index").reshape(-1).tolist()
-    texts = [t.decode("utf-8") for t in response.as_numpy("text_output").reshape(-1)]
-    ids = response.as_numpy("output_ids").reshape(-1).tolist() if "output_ids" in names else []
-    reasons = [r.decode() for r in response.as_numpy("finish_reason").reshape(-1)] if "finish_reason" in names else []
+    indices = outputs["sequence_index"].tolist()
+    texts = [t.decode("utf-8") for t in outputs["text_output"]]
+    ids = outputs["output_ids"].tolist() if "output_ids" in outputs else []
+    reasons = [r.decode() for r in outputs["finish_reason"]] if "finish_reason" in outputs else []
     if len(indices) > 1:
-        counts = response.as_numpy("num_output_tokens").reshape(-1).tolist()
+        counts = outputs["num_output_tokens"].tolist()
         prompt_ids = len(ids) - sum(counts)  # the prompt's ids lead every sample when it is included
         split, start = [], 0
         for count in counts:
