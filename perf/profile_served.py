@@ -40,7 +40,7 @@ from client.bench.prompts import PromptBuilder
 from client.bench.runner import API_TRITON, run_workload
 from client.bench.workload import build_workload
 from perf.compare.cpu_meter import CLIENT_ROLE, CpuMeter, process_role
-from perf.idle_cpu import live_processes_in_group
+from perf.idle_cpu import live_processes_in_group, wait_until_quiet
 from perf.served import DEFAULT_MODEL_REPOSITORY, report_dir, tritonserver
 
 RESPONSE_PATH_ROLES = ("stub llm", "tritonserver", CLIENT_ROLE)
@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     pattern = ArrivalPattern("concurrency", args.num_requests)
     with tritonserver(Path(args.model_repository), {"dtype": args.dtype, **settings}, "llm") as server:
         run_workload(server.grpc_url, "llm", warmup, ArrivalPattern("concurrency", 1))
+        wait_until_quiet(os.getpgid(server.process.pid))
         roles = pids_by_role(os.getpgid(server.process.pid))
         spy = None if args.no_py_spy else start_py_spy(roles["stub llm"], out / "stub-llm.py-spy.txt")
         perf = None if args.no_perf else start_perf(roles["tritonserver"], out / "tritonserver.perf.data")

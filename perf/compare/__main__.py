@@ -99,6 +99,14 @@ TRITON_SYSTEMS = {
 }
 
 
+def settle(pgid: int) -> None:
+    """Waits, after a served system's warm-up, until its processes are quiet (perf.idle_cpu)."""
+    from perf.idle_cpu import wait_until_quiet
+
+    waited = wait_until_quiet(pgid)
+    print(f"  server quiet after {waited:.1f} s", flush=True)
+
+
 def run_triton(args, system: str, runs, warmup, load_before: float) -> list:
     """One of our models in tritonserver, every (pattern, items) of ``runs`` on the same server:
     per run (completed, duration, CpuMeter, engine-core IPC summary or None, load average at its
@@ -113,6 +121,7 @@ def run_triton(args, system: str, runs, warmup, load_before: float) -> list:
     measured = []
     with tritonserver(Path(args.model_repository), overrides, model, edit=edit) as server:
         run_workload(server.grpc_url, model, warmup, ArrivalPattern("concurrency", 1))
+        settle(server.process.pid)
         for index, (pattern, items) in enumerate(runs):
             load = load_before if index == 0 else os.getloadavg()[0]
             before = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
@@ -271,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured = []
                 try:
                     run_workload(server.url, SERVED_MODEL_NAME, warmup, ArrivalPattern("concurrency", 1), api=API_OPENAI)
+                    settle(server.process.pid)
                     for at, run_items in runs:
                         cpu = CpuMeter(server.process.pid)
                         with Progress(f"vllm-{setup} " + at.label, len(run_items), args.progress_interval) as progress:

@@ -39,6 +39,8 @@ def run_engine_in_process(
     config = engine_config_from_model_folder(model_folder, **(overrides or {}))
     engine = LLMEngine(config)
     engine_driver.warm_up(engine, requests[0][0][:8])
+    if engine.structured_output is not None:  # its compile worker's first start, as the served systems wait for it
+        engine.structured_output.compiler.wait_started(120)
     with Progress(pattern.label, len(requests), progress_interval_s) as progress:
         done = engine_driver.run(engine, requests, pattern, seed, progress)
     stats = engine.stats()

@@ -372,6 +372,7 @@ def run_vllm_backend(args, runs, warmup, load_before: float, model_dir: str, max
     from client.bench.runner import API_TRITON, run_workload
     from perf.compare import vllm_server
     from perf.compare.cpu_meter import CpuMeter
+    from perf.idle_cpu import wait_until_quiet
 
     source = backend_source()
     venv = vllm_server.DEFAULT_VLLM_VENV
@@ -405,6 +406,7 @@ def run_vllm_backend(args, runs, warmup, load_before: float, model_dir: str, max
         done, _ = run_workload(server.grpc_url, MODEL_NAME, backend_items(warmup), ArrivalPattern("concurrency", 1))
         if done[0].record.error:
             raise VllmBackendError(f"the warm-up request failed: {done[0].record.error}; log {log_path}")
+        wait_until_quiet(server.process.pid)
         for index, (pattern, items) in enumerate(runs):
             load = load_before if index == 0 else os.getloadavg()[0]
             cpu = CpuMeter(server.process.pid)
