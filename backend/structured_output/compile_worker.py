@@ -8,7 +8,8 @@ with any start method but fork, a script that builds an engine needs ``if __name
 
 A worker gets the engine's ``xgrammar.TokenizerInfo`` as JSON, so it compiles against exactly the
 engine's vocabulary, and keeps to one thread (xgrammar's and torch's). It runs at a low CPU
-priority (``NICE``): a compile takes mostly what the engine's steps leave, which is why its timeout
+priority (``NICE``), as does the fork server from its first import on (fork_server_priority.py):
+a compile takes mostly what the engine's steps leave, which is why its timeout
 counts its CPU time, not the wall clock. For each constraint it answers with xgrammar's error, or
 with the compiled grammar (``CompiledGrammar.serialize_json``, which the engine reads back with its
 own TokenizerInfo) when that is small (``SHIP_BYTES``). The text grows much faster than the compile
@@ -42,7 +43,8 @@ POLL_SECONDS = 0.05  # how often the worker's CPU time is read during a compile
 NICE = 10  # the worker yields the CPU to the engine's steps, and still gets some on a busy machine
 SHIP_BYTES = 256 * 1024  # a compiled grammar's JSON up to this size is sent back; a larger one is compiled again
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-_PRELOAD = ["xgrammar", "backend.structured_output.compile_worker"]
+# The fork server imports these in order: first its lower priority, then the heavy imports.
+_PRELOAD = ["backend.structured_output.fork_server_priority", "xgrammar", "backend.structured_output.compile_worker"]
 
 
 class CompileWorkerError(RuntimeError):
@@ -205,11 +207,19 @@ def _context():
     return context
 
 
+def lower_priority() -> None:
+    """This process's nice value becomes at least ``NICE`` (a worker forked by the fork server, which
+    already lowered its own, keeps NICE rather than going lower still)."""
+    current = os.nice(0)
+    if current < NICE:
+        os.nice(NICE - current)
+
+
 # ------------------------------------------------------------------------------------- the worker
 def serve(connection, engine_pid: int) -> None:
     """The worker's body (run in the worker process): tokenizer info in, then compiles until EOF."""
     _die_with_parent(engine_pid)
-    os.nice(NICE)
+    lower_priority()
     import torch  # noqa: PLC0415  (xgrammar imports it; one thread, as xgrammar's compiler)
     import xgrammar  # noqa: PLC0415
 
@@ -220,7 +230,7 @@ def serve(connection, engine_pid: int) -> None:
     while True:
         try:
             spec = connection.recv()
-        except EOFError:
+        except (EOFError, ConnectionResetError):  # the engine closed the connection, or died
             return
         try:
             compiled = compiler.compile_grammar(to_grammar(spec))

@@ -10,6 +10,7 @@ import os
 import signal
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -332,6 +333,18 @@ def test_a_worker_given_no_cpu_is_stopped_by_the_wall_clock_backstop(worker):
         worker.compile(parse_structured_outputs({"regex": "[a-z]{3}"}), timeout=0.5)
     assert 1.5 <= time.monotonic() - started < 3 and not worker.alive
     worker.start()
+
+
+def test_the_worker_and_its_fork_server_run_at_the_low_priority_and_the_engine_does_not(worker):
+    """The fork server lowers its priority before its heavy imports (fork_server_priority.py), its
+    workers keep that value (not lower still), and the process that started them keeps its own."""
+    def nice(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])  # field 19 of proc(5)
+
+    fork_server = int(Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert nice(worker.pid) == compile_worker.NICE
+    assert nice(fork_server) == compile_worker.NICE and fork_server != os.getpid()
+    assert nice(os.getpid()) < compile_worker.NICE
 
 
 def test_a_worker_that_cannot_start_fails_loudly():
