@@ -225,38 +225,26 @@ def test_requests_carry_the_length_in_sampling_parameters():
         vb.backend_items([WorkItem("x", 1, 1, inputs={"messages": "[]"})])
 
 
-class _Output:
-    def __init__(self, name):
-        self.name = name
+def _response(arrays: dict[str, np.ndarray], final: bool = False):
+    """A real tritonclient result, as a gRPC stream hands it to the client, holding ``arrays``."""
+    from tritonclient.grpc import service_pb2
+    from tritonclient.grpc._infer_result import InferResult
+    from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
-
-class _Flag:
-    bool_param = True
-
-
-class _Raw:
-    def __init__(self, names, final):
-        self.outputs = [_Output(n) for n in names]
-        self.parameters = {"triton_final_response": _Flag()} if final else {}
-
-
-class _Response:
-    def __init__(self, arrays, final=False):
-        self.arrays = arrays
-        self.raw = _Raw(arrays, final)
-
-    def get_response(self):
-        return self.raw
-
-    def as_numpy(self, name):
-        return self.arrays[name]
+    raw = service_pb2.ModelInferResponse(id="r")
+    for name, array in arrays.items():
+        output = raw.outputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape) or [1])
+        raw.raw_output_contents.append(serialize_byte_tensor(array).item() if output.datatype == "BYTES"
+                                       else array.tobytes())
+    raw.parameters["triton_final_response"].bool_param = final
+    return InferResult(raw)
 
 
 def test_client_sums_vllm_backend_token_counts():
     result = StreamResult(start_time=0.0)
     for now, (text, count, final) in enumerate([("Hel", 1, False), ("lo w", 2, False), ("", 0, False),
                                                 ("orld", 1, True)], start=1):
-        _read_response(result, _Response({"text_output": np.array([text.encode()], dtype=object),
+        _read_response(result, _response({"text_output": np.array([text.encode()], dtype=object),
                                           "num_input_tokens": np.array(5, dtype=np.uint32),
                                           "num_output_tokens": np.array([count], dtype=np.uint32)}, final),
                        float(now))
@@ -268,7 +256,7 @@ def test_client_sums_vllm_backend_token_counts():
 
 def test_client_keeps_llm_totals_when_ids_come_with_them():
     result = StreamResult(start_time=0.0)
-    _read_response(result, _Response({"text_output": np.array([[b"ab"]], dtype=object),
+    _read_response(result, _response({"text_output": np.array([[b"ab"]], dtype=object),
                                       "output_ids": np.array([[7, 8]], dtype=np.int32),
                                       "num_output_tokens": np.array([[9]], dtype=np.int32)}, True), 1.0)
     assert result.num_output_tokens == 9 and result.token_ids == [7, 8] and result.token_times == [1.0]
