@@ -8,6 +8,7 @@ them quick; the thresholds are stated where they are set.
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -297,6 +298,12 @@ def test_memory_stays_flat_over_2000_requests(make_server):
             thread.join(600)
 
     burst(400)  # warm-up: allocator pools, tokenizer caches, metric series
+    # The compile worker's fork server imports xgrammar and torch at low priority beside the load
+    # (about 200 MB): not what requests leave behind, so it is done before the first measure.
+    deadline = time.monotonic() + 120
+    while (not re.search(r"compile worker \d+ started", server.log_path.read_text(errors="replace"))
+           and time.monotonic() < deadline):
+        time.sleep(0.5)
     warm = group_rss_mb(pgid)
     burst(2000)
     middle = group_rss_mb(pgid)
@@ -315,6 +322,9 @@ def test_memory_stays_flat_over_2000_requests(make_server):
 # model_runner.tune_cpu_allocator sets, so this is not proven a leak). Later, on a faster machine,
 # the first 2,000 added 70-111 MB (and once 333 MB in CI) while the allocator still grew, so the
 # bound is checked on the second 2,000.
+# Part of that was the compile worker's fork server still importing xgrammar and torch (about 200 MB)
+# inside the measured windows, more so since it imports at low priority; waited for, the two windows
+# added 17-48 MB here (Intel with AMX, 2026-12-05).
 MEMORY_GROWTH_BOUND_MB = 128
 
 
