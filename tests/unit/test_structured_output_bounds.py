@@ -9,6 +9,8 @@ import logging
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -345,6 +347,25 @@ def test_the_worker_and_its_fork_server_run_at_the_low_priority_and_the_engine_d
     assert nice(worker.pid) == compile_worker.NICE
     assert nice(fork_server) == compile_worker.NICE and fork_server != os.getpid()
     assert nice(os.getpid()) < compile_worker.NICE
+
+
+def test_a_fork_server_still_importing_ends_with_the_process_that_started_it(tmp_path):
+    """multiprocessing's fork server watches its parent only after its preload, which at the low
+    priority on a busy machine takes tens of seconds: fork_server_priority.py watches from the start.
+    Here the preload after it sleeps a minute, and its parent exits at once."""
+    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(60)\n")
+    starter = (
+        "import multiprocessing, multiprocessing.forkserver as fs, os\n"
+        "multiprocessing.set_forkserver_preload(['backend.structured_output.fork_server_priority', 'slow_preload'])\n"
+        "fs._forkserver.ensure_running()\n"
+        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(fs._forkserver._forkserver_pid))\n"
+        "os._exit(0)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    # its output goes nowhere: the fork server inherits it, and a pipe would wait for the fork server
+    subprocess.run([sys.executable, "-c", starter], stdout=subprocess.DEVNULL, timeout=60, check=True, env=env)
+    fork_server = int((tmp_path / "pid").read_text())
+    assert wait_gone(fork_server, 10), "the fork server outlived its parent while importing"
 
 
 def test_a_worker_that_cannot_start_fails_loudly():
