@@ -25,6 +25,7 @@ from backend.engine.request import SamplingParams
 from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
+from tests.integration.processes import processes_whose_command_has
 from tests.integration.test_llm_model import metric, read_metrics
 from tests.integration.test_reliability import run_streams
 
@@ -35,14 +36,7 @@ CORE_MODULE = b"backend.engine_core.core_process"
 
 def pids_running(server, module: bytes) -> list[int]:
     """Processes of ``module`` in the server's process group (they inherit it from the stub)."""
-    found = []
-    for pid in live_processes_in_group(server.process.pid):
-        try:
-            if module in open(f"/proc/{pid}/cmdline", "rb").read():
-                found.append(pid)
-        except OSError:
-            continue
-    return found
+    return processes_whose_command_has(module, among=live_processes_in_group(server.process.pid))
 
 
 def core_pids(server) -> list[int]:
@@ -181,15 +175,7 @@ def test_unload_reload_and_stop_leave_no_core_process(make_server):
 
 def stub_pids(marker: str) -> list[int]:
     """Python-backend stubs whose command line mentions ``marker`` (the model repository's path)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            command = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if b"triton_python_backend_stub" in command and marker.encode() in command:
-            found.append(int(pid))
-    return found
+    return processes_whose_command_has(b"triton_python_backend_stub", marker.encode())
 
 
 @pytest.mark.reliability

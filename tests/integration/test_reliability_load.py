@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
+from tests.integration.processes import processes_whose_command_has
 from tests.integration.test_llm_model import metric, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]
@@ -340,14 +341,7 @@ def test_rejected_request_then_cancel_keeps_a_stub_alive_across_unload(make_serv
     http = httpclient.InferenceServerClient(server.http_url)
 
     def stubs() -> int:
-        count = 0
-        for pid in live_processes_in_group(pgid):
-            try:
-                if b"triton_python_backend_stub" in open(f"/proc/{pid}/cmdline", "rb").read():
-                    count += 1
-            except OSError:
-                continue
-        return count
+        return len(processes_whose_command_has(b"triton_python_backend_stub", among=live_processes_in_group(pgid)))
 
     assert stubs() == 1
     client = grpcclient.InferenceServerClient(server.grpc_url)
