@@ -224,7 +224,11 @@ def serve(connection, engine_pid: int) -> None:
     import xgrammar  # noqa: PLC0415
 
     torch.set_num_threads(1)
-    info = xgrammar.TokenizerInfo.deserialize_json(connection.recv_bytes().decode("utf-8"))
+    try:
+        info_json = connection.recv_bytes().decode("utf-8")
+    except (EOFError, ConnectionResetError):  # the engine stopped before this worker was ready
+        return
+    info = xgrammar.TokenizerInfo.deserialize_json(info_json)
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     connection.send("ready")
     while True:

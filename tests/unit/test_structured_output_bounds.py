@@ -368,6 +368,19 @@ def test_a_fork_server_still_importing_ends_with_the_process_that_started_it(tmp
     assert wait_gone(fork_server, 10), "the fork server outlived its parent while importing"
 
 
+def test_a_worker_whose_engine_leaves_before_it_is_ready_exits_quietly():
+    """An engine stopped right after its start closes the pipe before the tokenizer info is sent:
+    the worker ends with code 0 and no traceback (an EOFError used to end it with code 1)."""
+    context = compile_worker._context()
+    parent, child = context.Pipe()
+    process = context.Process(target=compile_worker.serve, args=(child, os.getpid()), daemon=True)
+    process.start()
+    child.close()
+    parent.close()
+    process.join(60)
+    assert process.exitcode == 0
+
+
 def test_a_worker_that_cannot_start_fails_loudly():
     with pytest.raises(CompileWorkerError, match="exited with code 1 before it was ready"):
         CompileWorker("not the tokenizer info").start()
