@@ -122,7 +122,8 @@ def decoded_outputs(raw) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _read_response(result: StreamResult, response, now: float) -> None:
+def read_response(result: StreamResult, response, now: float) -> None:
+    """Adds one response of ``result``'s request, arrived at ``now``, to it."""
     raw = response.get_response()
     if "triton_final_response" in raw.parameters and raw.parameters["triton_final_response"].bool_param:
         result.num_final += 1
@@ -265,7 +266,7 @@ def collect_responses(responses: queue.SimpleQueue, request_ids: list[str], star
             rid = _error_request_id(error, pending)
             if rid is None:
                 raise RuntimeError(f"stream error for an unknown request: {error}")
-            results[rid].error = _error_message(error)
+            results[rid].error = error_message(error)
             results[rid].num_final += 1  # Triton ends a request with its error
             results[rid].end_time = now
             pending.discard(rid)
@@ -274,7 +275,7 @@ def collect_responses(responses: queue.SimpleQueue, request_ids: list[str], star
         if rid not in results:
             continue
         result = results[rid]
-        _read_response(result, response, now)
+        read_response(result, response, now)
         if on_response is not None:
             on_response(rid, result)
         if result.num_final and rid in pending:
@@ -331,7 +332,7 @@ class SharedStream:
         self.client.close()
 
 
-def _error_message(error) -> str:
+def error_message(error) -> str:
     if isinstance(error, InferenceServerException):
         return error.message()
     return str(error)

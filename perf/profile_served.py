@@ -37,7 +37,8 @@ from client.bench.lengths import parse_length
 from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.progress import Progress
 from client.bench.prompts import PromptBuilder
-from client.bench.runner import API_TRITON, run_workload
+from client.bench.runner import run_workload
+from client.bench.triton_clients import TRITON_CLIENTS, run_triton_workload
 from client.bench.workload import build_workload
 from perf.compare.cpu_meter import CLIENT_ROLE, CpuMeter, process_role
 from perf.idle_cpu import live_processes_in_group, wait_until_quiet
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", default="uniform:16:512")
     parser.add_argument("--output-len", default="uniform:16:256")
-    parser.add_argument("--triton-client", default="stream-per-user", choices=("shared-stream", "stream-per-user"))
+    parser.add_argument("--triton-client", default="stream-per-user", choices=TRITON_CLIENTS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--no-perf", action="store_true")
@@ -254,9 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.0)  # the samplers attach
         cpu = CpuMeter(server.process.pid)
         with Progress("profile", len(items), 10.0) as progress:
-            completed, duration = run_workload(server.grpc_url, "llm", items, pattern, seed=args.seed,
-                                               progress=progress, api=API_TRITON,
-                                               shared_stream=args.triton_client == "shared-stream")
+            completed, duration = run_triton_workload(server.grpc_url, "llm", items, pattern, args.triton_client,
+                                                      seed=args.seed, progress=progress)
         cpu.stop()
         stop_sampler(spy)
         stop_sampler(perf)

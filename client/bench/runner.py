@@ -52,6 +52,30 @@ API_TRITON = "triton"  # Triton gRPC streaming (client.stream), the `llm` model'
 API_OPENAI = "openai"  # OpenAI-compatible /v1/completions over HTTP (client.openai_stream): vLLM and peers
 
 
+def failed_request(item: WorkItem, start: float, exc: Exception, progress: Progress) -> CompletedRequest:
+    """A request that raised before it could complete (no stream, timeout): an error record."""
+    record = RequestRecord(start, time.monotonic(), None, (), 0, item.num_input_tokens,
+                           error=f"{type(exc).__name__}: {exc}")
+    progress.finish(failed=True)
+    return CompletedRequest(record, "", item.max_tokens, item.num_input_tokens)
+
+
+def completed_request(item: WorkItem, result, progress: Progress) -> CompletedRequest:
+    """The record of a request that got its final response (``result``: a client's StreamResult)."""
+    error = result.error
+    if error is None and result.finish_reason == "abort":
+        error = "request aborted by the server"
+    num_output = result.num_output_tokens if result.num_output_tokens is not None else len(result.token_ids)
+    num_input = result.num_input_tokens if result.num_input_tokens is not None else item.num_input_tokens
+    record = RequestRecord(
+        start_time=result.start_time, end_time=result.end_time, first_token_time=result.first_token_time,
+        token_times=tuple(result.token_times), num_output_tokens=num_output, num_input_tokens=num_input,
+        error=error,
+    )
+    progress.finish(failed=error is not None)
+    return CompletedRequest(record, result.finish_reason, item.max_tokens, item.num_input_tokens, result.text)
+
+
 class _User:
     """One simulated user: a lazily opened stream, reopened after a failure, or its requests on the
     stream every user shares (``shared``), or a stream per request opened with ``headers(item)``."""
@@ -90,8 +114,8 @@ class _User:
             try:
                 result = self.shared.generate(item.prompt, self.timeout_s, on_response=on_response, **inputs)
             except Exception as exc:  # noqa: BLE001 (a timeout: a failed request, not a crash)
-                return self._failed(item, start, exc, progress)
-            return self._completed(item, result, progress)
+                return failed_request(item, start, exc, progress)
+            return completed_request(item, result, progress)
         try:
             if self.headers is not None:
                 self.close()
@@ -103,10 +127,10 @@ class _User:
             result = self.client.collect([rid], {rid: start}, self.timeout_s, on_response=on_response)[rid]
         except Exception as exc:  # noqa: BLE001 (connection refused, timeouts: a failed request, not a crash)
             self.close(cancel=True)  # the stream may still hold the request: start afresh
-            return self._failed(item, start, exc, progress)
+            return failed_request(item, start, exc, progress)
         if self.headers is not None:
             self.close()
-        return self._completed(item, result, progress)
+        return completed_request(item, result, progress)
 
     def _run_openai(self, item: WorkItem, progress: Progress) -> CompletedRequest:
         if item.inputs is not None:
@@ -120,32 +144,8 @@ class _User:
                                           headers=self.headers(item) if self.headers is not None else None)
         except Exception as exc:  # noqa: BLE001 (connection refused, timeouts: a failed request, not a crash)
             self.close(cancel=True)
-            return self._failed(item, start, exc, progress)
-        return self._completed(item, result, progress)
-
-    @staticmethod
-    def _failed(item: WorkItem, start: float, exc: Exception, progress: Progress) -> CompletedRequest:
-        """A request that raised before it could complete (no stream, timeout): an error record."""
-        record = RequestRecord(start, time.monotonic(), None, (), 0, item.num_input_tokens,
-                               error=f"{type(exc).__name__}: {exc}")
-        progress.finish(failed=True)
-        return CompletedRequest(record, "", item.max_tokens, item.num_input_tokens)
-
-    @staticmethod
-    def _completed(item: WorkItem, result, progress: Progress) -> CompletedRequest:
-        error = result.error
-        if error is None and result.finish_reason == "abort":
-            error = "request aborted by the server"
-        num_output = result.num_output_tokens if result.num_output_tokens is not None else len(result.token_ids)
-        num_input = result.num_input_tokens if result.num_input_tokens is not None else item.num_input_tokens
-        record = RequestRecord(
-            start_time=result.start_time, end_time=result.end_time, first_token_time=result.first_token_time,
-            token_times=tuple(result.token_times), num_output_tokens=num_output, num_input_tokens=num_input,
-            error=error,
-        )
-        progress.finish(failed=error is not None)
-        return CompletedRequest(record, result.finish_reason, item.max_tokens, item.num_input_tokens,
-                                result.text)
+            return failed_request(item, start, exc, progress)
+        return completed_request(item, result, progress)
 
 
 def run_workload(

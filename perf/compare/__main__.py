@@ -56,16 +56,17 @@ from client.bench.lengths import parse_length
 from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.progress import Progress
 from client.bench.prompts import PromptBuilder
-from client.bench.runner import API_OPENAI, API_TRITON, count_length_mismatches, run_workload
+from client.bench.runner import API_OPENAI, count_length_mismatches, run_workload
 from client.bench.stats import compute_metrics
+from client.bench.triton_clients import TRITON_CLIENTS, run_triton_workload
 from client.bench.workload import RUN_SEED_STRIDE, build_workload, token_requests
 from perf.compare.cpu_meter import CpuMeter
 from perf.compare.report import SystemResult, markdown_report, medians_report, write_plot
 
 DEFAULT_SYSTEMS = ("triton", "triton-thread", "engine", "engine-no-fused-ops", "engine-torch-attention", "vllm",
                    "hf-continuous", "hf-static")
-ALL_SYSTEMS = (*DEFAULT_SYSTEMS, "triton-no-coalescing", "triton-stream-interval-8", "triton-iterative", "triton-iterative-direct",
-               "triton-vllm-backend")
+ALL_SYSTEMS = (*DEFAULT_SYSTEMS, "triton-aio", "triton-no-coalescing", "triton-stream-interval-8", "triton-iterative",
+               "triton-iterative-direct", "triton-vllm-backend")
 
 
 TRITON_THREAD_NAME = "In-thread engine, Triton llm (engine_process false)"
@@ -90,6 +91,7 @@ def direct_strategy(config: str) -> str:
 TRITON_SYSTEMS = {
     "triton": ("llm", {}, None, "Triton llm (gRPC streaming)"),
     "triton-thread": ("llm", {"engine_process": "false"}, None, TRITON_THREAD_NAME),
+    "triton-aio": ("llm", {}, None, "Triton llm, asyncio load generator (a stream per user)"),
     "triton-no-coalescing": ("llm", {"response_coalescing": "false"}, None,
                              "One response per step, Triton llm (response_coalescing false)"),
     "triton-stream-interval-8": ("llm", {"stream_interval": "8"}, None, "Stream interval 8, Triton llm"),
@@ -98,6 +100,9 @@ TRITON_SYSTEMS = {
                                 "llm_iterative in Triton (sequence batcher, direct)"),
 }
 
+
+# systems whose load generator holds its streams its own way, whatever --triton-client says
+SYSTEM_CLIENTS = {"triton-aio": "aio-stream-per-user"}
 
 def settle(pgid: int) -> None:
     """Waits, after a served system's warm-up, until its processes are quiet (perf.idle_cpu)."""
@@ -127,9 +132,9 @@ def run_triton(args, system: str, runs, warmup, load_before: float) -> list:
             before = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
             cpu = CpuMeter(server.process.pid)
             with Progress(f"{system} {pattern.label}", len(items), args.progress_interval) as progress:
-                completed, duration = run_workload(server.grpc_url, model, items, pattern, seed=args.seed,
-                                                   progress=progress, api=API_TRITON,
-                                                   shared_stream=args.triton_client == "shared-stream")
+                completed, duration = run_triton_workload(server.grpc_url, model, items, pattern,
+                                                          SYSTEM_CLIENTS.get(system, args.triton_client),
+                                                          seed=args.seed, progress=progress)
             cpu.stop()
             after = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
             measured.append((completed, duration, cpu, histogram_median(before, after), load))
@@ -153,10 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="every system's weights and activations (default: %(default)s)")
-    parser.add_argument("--triton-client", default="shared-stream", choices=("shared-stream", "stream-per-user"),
+    parser.add_argument("--triton-client", default="shared-stream", choices=TRITON_CLIENTS,
                         help="the load generator's gRPC streams for the Triton systems: every request on one "
-                             "stream (default; the client shares these 2 cores with the server), or one stream "
-                             "and client per simulated user")
+                             "stream (default; the client shares these 2 cores with the server), one stream "
+                             "and client per simulated user (threads), or one stream per user on one asyncio "
+                             "loop (client.bench.triton_clients)")
     parser.add_argument("--static-batch-size", type=int, default=32, help="hf-static batch size (default: %(default)s)")
     parser.add_argument("--vllm-setups", default="default,tuned", help="vLLM setups to run (default: %(default)s)")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=2)

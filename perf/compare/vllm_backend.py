@@ -369,7 +369,8 @@ def run_vllm_backend(args, runs, warmup, load_before: float, model_dir: str, max
     from backend.server.launcher import LauncherError, start_server
     from client.bench.arrivals import ArrivalPattern
     from client.bench.progress import Progress
-    from client.bench.runner import API_TRITON, run_workload
+    from client.bench.runner import run_workload
+    from client.bench.triton_clients import run_triton_workload
     from perf.compare import vllm_server
     from perf.compare.cpu_meter import CpuMeter
     from perf.idle_cpu import wait_until_quiet
@@ -411,9 +412,8 @@ def run_vllm_backend(args, runs, warmup, load_before: float, model_dir: str, max
             load = load_before if index == 0 else os.getloadavg()[0]
             cpu = CpuMeter(server.process.pid)
             with Progress(f"triton-vllm-backend {pattern.label}", len(items), args.progress_interval) as progress:
-                completed, duration = run_workload(server.grpc_url, MODEL_NAME, backend_items(items), pattern,
-                                                   seed=args.seed, progress=progress, api=API_TRITON,
-                                                   shared_stream=args.triton_client == "shared-stream")
+                completed, duration = run_triton_workload(server.grpc_url, MODEL_NAME, backend_items(items), pattern,
+                                                          args.triton_client, seed=args.seed, progress=progress)
             cpu.stop()
             measured.append((completed, duration, cpu, None, load))
     finally:

@@ -138,3 +138,30 @@ def test_one_shared_stream_carries_every_threads_requests(triton_server):
     for i, result in got.items():
         assert result.error is None and result.num_final == 1
         assert result.token_ids == want[i] and len(result.token_ids) == 6
+
+
+def test_asyncio_streams_per_user_give_the_threaded_clients_results(triton_server):
+    """client.bench.triton_clients' ``aio-stream-per-user``: ten forced-length requests from three
+    users, each a coroutine with its own gRPC stream, end with the text, token count and finish
+    reason the threaded stream-per-user client gets for them; a request the model refuses (a
+    negative max_tokens) is that request's error alone, and its user goes on."""
+    from client.bench.arrivals import ArrivalPattern
+    from client.bench.triton_clients import run_triton_workload
+    from client.bench.workload import WorkItem
+
+    items = [WorkItem(f"Prompt number {i}: the quick brown fox" + " jumps" * i, 0, 3 + i % 4) for i in range(10)]
+    items[4] = WorkItem("refused", 0, -1)
+    pattern = ArrivalPattern("concurrency", 3)
+    threaded, _ = run_triton_workload(triton_server.grpc_url, "llm", items, pattern, "stream-per-user", timeout_s=120)
+    coroutines, duration = run_triton_workload(triton_server.grpc_url, "llm", items, pattern, "aio-stream-per-user",
+                                               timeout_s=120)
+    assert len(coroutines) == 10 and duration > 0
+    for index, (want, got) in enumerate(zip(threaded, coroutines, strict=True)):
+        if index == 4:
+            assert want.record.error and "max_tokens" in got.record.error
+            continue
+        assert got.record.error is None and got.finish_reason == want.finish_reason == "length"
+        assert got.text == want.text and got.record.num_output_tokens == want.record.num_output_tokens == 3 + index % 4
+        assert got.record.first_token_time is not None
+        assert got.record.start_time <= got.record.first_token_time <= got.record.end_time
+        assert len(got.record.token_times) >= 1

@@ -18,7 +18,7 @@ import pytest
 from backend.config import parameters_from_pbtxt
 from backend.paths import REPO_ROOT
 from client.bench.workload import WorkItem
-from client.stream import StreamResult, _read_response, build_inputs
+from client.stream import StreamResult, build_inputs, read_response
 from perf.compare import vllm_backend as vb
 from perf.compare.__main__ import ALL_SYSTEMS, DEFAULT_SYSTEMS
 
@@ -244,7 +244,7 @@ def test_client_sums_vllm_backend_token_counts():
     result = StreamResult(start_time=0.0)
     for now, (text, count, final) in enumerate([("Hel", 1, False), ("lo w", 2, False), ("", 0, False),
                                                 ("orld", 1, True)], start=1):
-        _read_response(result, _response({"text_output": np.array([text.encode()], dtype=object),
+        read_response(result, _response({"text_output": np.array([text.encode()], dtype=object),
                                           "num_input_tokens": np.array(5, dtype=np.uint32),
                                           "num_output_tokens": np.array([count], dtype=np.uint32)}, final),
                        float(now))
@@ -256,7 +256,7 @@ def test_client_sums_vllm_backend_token_counts():
 
 def test_client_keeps_llm_totals_when_ids_come_with_them():
     result = StreamResult(start_time=0.0)
-    _read_response(result, _response({"text_output": np.array([[b"ab"]], dtype=object),
+    read_response(result, _response({"text_output": np.array([[b"ab"]], dtype=object),
                                       "output_ids": np.array([[7, 8]], dtype=np.int32),
                                       "num_output_tokens": np.array([[9]], dtype=np.int32)}, True), 1.0)
     assert result.num_output_tokens == 9 and result.token_ids == [7, 8] and result.token_times == [1.0]
