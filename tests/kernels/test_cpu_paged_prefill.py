@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.attention.cpu_backend import CpuAttentionBackend, paged_prefill
+from backend.attention.cpu_backend import AMX_SDPA_MIN_QUERY_LEN, CpuAttentionBackend, paged_prefill
 from backend.attention.torch_backend import TorchAttentionBackend
 from tests.kernels import reference
 from tests.kernels.batches import expected_output, make_batch
@@ -84,6 +84,32 @@ def test_the_backend_equals_the_torch_backend_on_a_mixed_step(kernel, dtype):
                                        batch.metadata, 0.125))
     error = (outputs[0].float() - outputs[1].float()).abs().max().item()
     assert error <= TOLERANCE[dtype], f"max error {error:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_bfloat16_chunks_go_to_sdpa_and_the_rest_to_the_kernel(kernel, monkeypatch, dtype):
+    """With a threshold (on AMX CPUs AMX_SDPA_MIN_QUERY_LEN), bfloat16 chunks at least that long go to
+    SDPA, whole prompts and chunks after a prefix alike, and each run of shorter chunks between them
+    to the kernel in one call; float32 keeps every chunk on the kernel. Equal to the reference."""
+    calls = []
+    kernel_prefill = kernel.paged_prefill
+    monkeypatch.setattr(kernel, "paged_prefill", lambda *args: calls.append(args[8:10]) or kernel_prefill(*args))
+    # decodes, then chunks of 12 and 17 tokens (kernel), 64 (SDPA), 30 after a prefix (SDPA), 9 and 25 (kernel)
+    batch = make_batch([40, 70, 12, 17, 64, 130, 9, 25], [1, 1, 12, 17, 64, 30, 9, 25], num_heads=9,
+                       num_kv_heads=3, head_size=64, block_size=16, dtype=dtype, seed=21, fill=0.0)
+    expected, _, _ = expected_output(batch, 0.125)
+    key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+    backend = CpuAttentionBackend(kernel, sdpa_min_query_len=26)
+    out = backend.forward(batch.query, batch.key, batch.value, key_cache, value_cache, batch.metadata, 0.125)
+    assert calls == ([(2, 4), (6, 8)] if dtype == torch.bfloat16 else [(2, 8)])
+    error = (out.float() - expected).abs().max().item()
+    assert error <= TOLERANCE[dtype], f"max error {error:.3g}"
+
+
+def test_the_sdpa_threshold_follows_the_cpu(kernel):
+    """The "auto" threshold sends long bfloat16 chunks to SDPA exactly where torch reports AMX tiles."""
+    amx = torch.cpu._is_amx_tile_supported()
+    assert CpuAttentionBackend(kernel).sdpa_min_query_len == (AMX_SDPA_MIN_QUERY_LEN if amx else None)
 
 
 def test_a_head_size_the_kernel_does_not_take_goes_to_sdpa(kernel):
