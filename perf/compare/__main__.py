@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     def served_result(name: str, at: ArrivalPattern, completed, duration: float, load_before: float,
                       cpu: CpuMeter) -> SystemResult:
         records = [c.record for c in completed]
+        errors = [r.error for r in records if r.error]
+        if errors:  # what went wrong, not only how often
+            print(f"  {len(errors)} requests failed; the first: {errors[0]}", flush=True)
         result = SystemResult.from_metrics(name, compute_metrics(records, duration), at.label,
                                            mismatched=count_length_mismatches(completed),
                                            load=(load_before, os.getloadavg()[0]))
