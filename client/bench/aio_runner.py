@@ -16,7 +16,13 @@ from collections.abc import Sequence
 
 from client.bench.arrivals import ArrivalPattern, send_offsets
 from client.bench.progress import Progress
-from client.bench.runner import CompletedRequest, completed_request, failed_request
+from client.bench.runner import (
+    CompletedRequest,
+    completed_request,
+    failed_request,
+    token_counter,
+    triton_inputs,
+)
 from client.bench.workload import WorkItem
 from client.stream_aio import AioStreamingClient
 
@@ -29,16 +35,7 @@ class _AioUser:
         self.client: AioStreamingClient | None = None
 
     async def run(self, item: WorkItem, progress: Progress) -> CompletedRequest:
-        seen_tokens = 0
-
-        def on_response(_rid, result) -> None:
-            nonlocal seen_tokens
-            count = len(result.token_ids) or (result.num_output_tokens or 0)  # or vllm_backend's counts
-            progress.add_tokens(count - seen_tokens)
-            seen_tokens = count
-
-        inputs = {"max_tokens": item.max_tokens, "stream": True,
-                  **({"ignore_eos": True} if item.inputs is None else item.inputs)}
+        on_response, inputs = token_counter(progress), triton_inputs(item)
         start = time.monotonic()
         try:
             if self.client is None:

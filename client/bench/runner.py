@@ -52,6 +52,25 @@ API_TRITON = "triton"  # Triton gRPC streaming (client.stream), the `llm` model'
 API_OPENAI = "openai"  # OpenAI-compatible /v1/completions over HTTP (client.openai_stream): vLLM and peers
 
 
+def triton_inputs(item: WorkItem) -> dict:
+    """The `llm` inputs a work item is sent with: forced length, or the item's own inputs."""
+    return {"max_tokens": item.max_tokens, "stream": True,
+            **({"ignore_eos": True} if item.inputs is None else item.inputs)}
+
+
+def token_counter(progress: Progress):
+    """A request's on_response callback: adds the tokens each response brought to ``progress``."""
+    seen_tokens = 0
+
+    def on_response(_rid, result) -> None:
+        nonlocal seen_tokens
+        count = len(result.token_ids) or (result.num_output_tokens or 0)  # or vllm_backend's counts
+        progress.add_tokens(count - seen_tokens)
+        seen_tokens = count
+
+    return on_response
+
+
 def failed_request(item: WorkItem, start: float, exc: Exception, progress: Progress) -> CompletedRequest:
     """A request that raised before it could complete (no stream, timeout): an error record."""
     record = RequestRecord(start, time.monotonic(), None, (), 0, item.num_input_tokens,
@@ -99,16 +118,7 @@ class _User:
     def run(self, item: WorkItem, progress: Progress) -> CompletedRequest:
         if self.api == API_OPENAI:
             return self._run_openai(item, progress)
-        seen_tokens = 0
-
-        def on_response(_rid, result) -> None:
-            nonlocal seen_tokens
-            count = len(result.token_ids) or (result.num_output_tokens or 0)  # or vllm_backend's counts
-            progress.add_tokens(count - seen_tokens)
-            seen_tokens = count
-
-        inputs = {"max_tokens": item.max_tokens, "stream": True,
-                  **({"ignore_eos": True} if item.inputs is None else item.inputs)}
+        on_response, inputs = token_counter(progress), triton_inputs(item)
         start = time.monotonic()
         if self.shared is not None:
             try:
