@@ -48,6 +48,7 @@ class _CpuPlan:
     block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, contiguous
     seq_lens: torch.Tensor  # [num_decodes] int32, contiguous
     window: int = 0  # sliding window; 0: none
+    sdpa_seqs: tuple[int, ...] = ()  # prefill sequences that go to SDPA rather than to the kernel
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -64,7 +65,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         n = metadata.num_decodes
         return _CpuPlan(*plan_cache_write(metadata.slot_mapping),
                         metadata.block_tables[:n].to(torch.int32).contiguous(),
-                        metadata.seq_lens[:n].to(torch.int32).contiguous(), window)
+                        metadata.seq_lens[:n].to(torch.int32).contiguous(), window,
+                        tuple(self._sdpa_chunks(metadata, dtype)))
 
     def decode(self, query, key_cache, value_cache, metadata, plan: _CpuPlan, scale: float) -> torch.Tensor:
         return paged_decode(self.kernel, query, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
@@ -80,10 +82,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not (self.kernel.prefill_available and dtype in KERNEL_DTYPES):
             return super().plan_prefills(metadata, block_size, dtype, window)
         # the kernel reads the metadata itself; SDPA's masks are built only for the chunks it takes
-        lens, plans = metadata.query_lens_list, []
-        for i in self._sdpa_chunks(metadata, dtype):
-            start = metadata.num_decodes + sum(lens[metadata.num_decodes:i])  # decodes have one row each
-            plans.append(plan_prefill(metadata, i, start, block_size, dtype, window))
+        to_sdpa, plans = set(self._sdpa_chunks(metadata, dtype)), []
+        start = metadata.num_decodes  # one query row per decode, and they come first
+        for i in range(metadata.num_decodes, metadata.num_seqs):
+            if i in to_sdpa:
+                plans.append(plan_prefill(metadata, i, start, block_size, dtype, window))
+            start += metadata.query_lens_list[i]
         return plans
 
     def _sdpa_chunks(self, metadata: AttentionMetadata, dtype: torch.dtype) -> list[int]:
@@ -102,7 +106,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 plan.prefills = super().plan_prefills(metadata, plan.block_size, plan.dtype, plan.window)
             super().prefill(query, key, value, key_cache, value_cache, plan, scale, output)
             return
-        to_sdpa = self._sdpa_chunks(metadata, query.dtype)
+        to_sdpa = plan.backend.sdpa_seqs  # planned once a step, for the step's dtype
         if not to_sdpa:
             paged_prefill(self.kernel, query, key_cache, value_cache, metadata, scale, output, plan.window)
             return
