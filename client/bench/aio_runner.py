@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from client.bench.arrivals import ArrivalPattern, send_offsets
+from client.bench.arrivals import ArrivalPattern, num_users, send_offsets
 from client.bench.progress import Progress
 from client.bench.runner import (
     CompletedRequest,
@@ -74,8 +74,7 @@ def run_workload_aio(
 async def _run(url, model, items, pattern, seed, timeout_s, max_concurrency, progress):
     results: list[CompletedRequest | None] = [None] * len(items)
     offsets = send_offsets(pattern, len(items), seed)
-    num_users = int(pattern.value) if offsets is None else max_concurrency
-    num_users = max(1, min(num_users, len(items)))
+    users_needed = num_users(pattern, offsets, len(items), max_concurrency)
     work: asyncio.Queue = asyncio.Queue()
 
     async def serve_user() -> None:
@@ -87,7 +86,7 @@ async def _run(url, model, items, pattern, seed, timeout_s, max_concurrency, pro
             await user.close()
 
     start = time.monotonic()
-    users = [asyncio.create_task(serve_user(), name=f"bench-user-{i}") for i in range(num_users)]
+    users = [asyncio.create_task(serve_user(), name=f"bench-user-{i}") for i in range(users_needed)]
     if offsets is None:
         for index in range(len(items)):
             work.put_nowait(index)

@@ -66,6 +66,13 @@ def send_offsets(pattern: ArrivalPattern, num_requests: int, seed: int) -> list[
     raise ValueError(f"unknown arrival kind {pattern.kind!r}")
 
 
+def num_users(pattern: ArrivalPattern, offsets: list[float] | None, num_requests: int, max_concurrency: int) -> int:
+    """How many simulated users a run needs: the closed loop's concurrency, or for an open loop
+    (``offsets``) up to ``max_concurrency``; never more than the requests, at least one."""
+    wanted = int(pattern.value) if offsets is None else max_concurrency
+    return max(1, min(wanted, num_requests))
+
+
 def parse_sweep(values: str, kind: str, burst_interval_s: float = 0.0) -> list[ArrivalPattern]:
     """'1,8,32' -> one ArrivalPattern per value."""
     patterns = []

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from client.bench.arrivals import ArrivalPattern, send_offsets
+from client.bench.arrivals import ArrivalPattern, num_users, send_offsets
 from client.bench.progress import Progress
 from client.bench.stats import RequestRecord
 from client.bench.workload import WorkItem
@@ -179,8 +179,7 @@ def run_workload(
     progress = progress or Progress(pattern.label, len(items), interval_s=0)
     results: list[CompletedRequest | None] = [None] * len(items)
     offsets = send_offsets(pattern, len(items), seed)
-    num_users = int(pattern.value) if offsets is None else max_concurrency
-    num_users = max(1, min(num_users, len(items)))
+    users_needed = num_users(pattern, offsets, len(items), max_concurrency)
     work: queue.SimpleQueue = queue.SimpleQueue()
     shared = SharedStream(url, model) if shared_stream and api == API_TRITON and headers is None else None
 
@@ -196,7 +195,7 @@ def run_workload(
             user.close()
 
     start = time.monotonic()
-    users = [threading.Thread(target=serve_user, name=f"bench-user-{i}", daemon=True) for i in range(num_users)]
+    users = [threading.Thread(target=serve_user, name=f"bench-user-{i}", daemon=True) for i in range(users_needed)]
     for thread in users:
         thread.start()
     if offsets is None:

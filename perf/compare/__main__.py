@@ -104,6 +104,7 @@ TRITON_SYSTEMS = {
 # systems whose load generator holds its streams its own way, whatever --triton-client says
 SYSTEM_CLIENTS = {"triton-aio": "aio-stream-per-user"}
 
+
 def settle(pgid: int) -> None:
     """Waits, after a served system's warm-up, until its processes are quiet (perf.idle_cpu)."""
     from perf.idle_cpu import wait_until_quiet
