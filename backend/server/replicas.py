@@ -48,6 +48,11 @@ PD_POLICIES = tuple(p for p in POLICIES if p != "kv_aware")  # kv_aware's PD mod
 ROLES = ("both", "prefill", "decode")
 REPLICA_MODELS = ("llm", "tokenizer")
 HEALTH_CHECK_INTERVAL_SECONDS = 2
+# kv_aware's softmax temperature when none is given. Its costs are in prompt tokens, so between
+# equally loaded replicas a prefix of P cached tokens leaves its holder with a chance below
+# exp(-P / T) per other replica (64 tokens at 8: 3e-4), while equal costs (a prompt cached nowhere, an idle fleet) spread over the replicas
+# instead of all going to the first (the router's own default, 0).
+DEFAULT_ROUTER_TEMPERATURE = 8.0
 CIRCUIT_OPEN_SECONDS = 5  # vllm-router's default is 60
 
 
@@ -125,8 +130,8 @@ def router_command(replicas: list[ReplicaPorts], policy: str, port: int, prometh
     idle this many seconds; its later turns skip the render calls. ``roles`` (one per replica):
     with prefill and decode replicas, the router's disaggregated mode over them.
     ``router_temperature`` (kv_aware only): the router samples a replica from a softmax of minus
-    its costs over this temperature instead of taking the cheapest (0, the router's default), so
-    equal costs spread over the replicas."""
+    its costs over this temperature instead of taking the cheapest (0), so equal costs spread over
+    the replicas; None: DEFAULT_ROUTER_TEMPERATURE."""
     check_session_affinity(policy, session_affinity_ttl)
     check_router_temperature(policy, router_temperature)
     binary = shutil.which("vllm-router", path=os.path.dirname(sys.executable)) or shutil.which("vllm-router")
@@ -155,8 +160,8 @@ def router_command(replicas: list[ReplicaPorts], policy: str, port: int, prometh
                         "--kv-event-replay-source", f"{ports.url}={ports.replay_endpoint}"]
         if session_affinity_ttl is not None:
             command += ["--kv-aware-session-affinity-ttl-secs", str(session_affinity_ttl)]
-        if router_temperature is not None:
-            command += ["--router-temperature", repr(float(router_temperature))]
+        temperature = DEFAULT_ROUTER_TEMPERATURE if router_temperature is None else router_temperature
+        command += ["--router-temperature", repr(float(temperature))]
     return command
 
 
@@ -357,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--session-affinity-ttl", type=int, default=None, metavar="SECONDS",
                         help="kv_aware: keep a session (x-session-id header) on one replica until idle this long")
     parser.add_argument("--router-temperature", type=float, default=None, metavar="T",
-                        help="kv_aware: sample a replica from softmax(-cost / T) instead of the cheapest (default 0)")
+                        help="kv_aware: sample a replica from softmax(-cost / T), 0: always the cheapest "
+                             f"(default {DEFAULT_ROUTER_TEMPERATURE:g})")
     args = parser.parse_args(argv)
     host = "127.0.0.1" if os.environ.get("TRITON_BIND_ALL") is None else "0.0.0.0"
     stopping = False

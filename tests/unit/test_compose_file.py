@@ -15,6 +15,7 @@ from pathlib import PurePosixPath
 import pytest
 
 from backend.paths import REPO_ROOT
+from backend.server.replicas import DEFAULT_ROUTER_TEMPERATURE
 
 yaml = pytest.importorskip("yaml")
 
@@ -235,6 +236,7 @@ def test_the_router_routes_over_every_replicas_front_with_its_kv_events(services
     config = (REPO_ROOT / "model_repository/llm/config.pbtxt").read_text()
     block_size = re.search(r'key: "block_size" value: \{ string_value: "(\d+)"', config).group(1)
     assert f"--kv-event-block-size {block_size}" in command
+    assert f"--router-temperature {DEFAULT_ROUTER_TEMPERATURE:g}" in command  # the launcher's default
     pin = (REPO_ROOT / "deploy/requirements-router.txt").read_text().strip()
     assert pin in (REPO_ROOT / "pyproject.toml").read_text()
 

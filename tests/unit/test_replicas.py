@@ -8,7 +8,14 @@ import sys
 
 import pytest
 
-from backend.server.replicas import ReplicaError, ReplicaPorts, Replicas, replica_cpus, router_command
+from backend.server.replicas import (
+    DEFAULT_ROUTER_TEMPERATURE,
+    ReplicaError,
+    ReplicaPorts,
+    Replicas,
+    replica_cpus,
+    router_command,
+)
 from openai_front import triton_bridge
 from openai_front.triton_bridge import TritonBridge
 
@@ -110,7 +117,11 @@ def test_disaggregated_replicas_get_their_roles_and_the_router_its_pd_mode():
 def test_the_router_temperature_reaches_kv_aware_only():
     command = router_command(PORTS, "kv_aware", 8080, 9000, 16, router_temperature=4)
     assert command[command.index("--router-temperature") + 1] == "4.0"
-    assert "--router-temperature" not in router_command(PORTS, "kv_aware", 8080, 9000, 16)
+    default = router_command(PORTS, "kv_aware", 8080, 9000, 16)
+    assert default[default.index("--router-temperature") + 1] == repr(DEFAULT_ROUTER_TEMPERATURE)
+    deterministic = router_command(PORTS, "kv_aware", 8080, 9000, 16, router_temperature=0)
+    assert deterministic[deterministic.index("--router-temperature") + 1] == "0.0"
+    assert "--router-temperature" not in router_command(PORTS, "cache_aware", 8080, 9000, 16)
     for policy, temperature, message in (("cache_aware", 1.0, "only with the kv_aware policy"),
                                          ("kv_aware", -0.5, "a finite number >= 0"),
                                          ("kv_aware", float("nan"), "a finite number >= 0")):
