@@ -105,7 +105,33 @@ def measure(policy: str, args, items: list[WorkItem], overrides: dict[str, str])
     hits, queries = sum(d[PREFIX_HITS] for d in delta), sum(d[PREFIX_QUERIES] for d in delta)
     metrics = compute_metrics([c.record for c in completed], duration, None, (50, 99)).to_dict()
     return {"policy": policy, "metrics": metrics, "hit_rate": hits / queries if queries else 0.0,
-            "requests_per_replica": [int(d[SUCCESS]) for d in delta], "duration_s": duration}
+            "requests_per_replica": [int(d[SUCCESS]) for d in delta], "duration_s": duration,
+            "requests": per_request(items, completed, keys)}
+
+
+def per_request(items: list[WorkItem], completed: list, keys: dict[int, str]) -> list[dict]:
+    """Each request's TTFT with what could explain it: its tenant and session, its send time,
+    and whether it was ``cold``, i.e. no earlier request of its tenant had a first token when it
+    was sent, so no replica could have held its system prompt (every policy pays those)."""
+    origin = min(c.record.start_time for c in completed)
+    rows = []
+    for item, done in zip(items, completed, strict=True):
+        record = done.record
+        warm_by = [other.record.first_token_time for other_item, other in zip(items, completed, strict=True)
+                   if other_item.prefix_index == item.prefix_index and other.record.first_token_time is not None
+                   and other.record.first_token_time < record.start_time]
+        rows.append({"tenant": item.prefix_index, "session": keys[id(item)], "prompt_tokens": item.num_input_tokens,
+                     "sent_s": round(record.start_time - origin, 3),
+                     "ttft_ms": None if record.ttft is None else round(1000 * record.ttft, 1),
+                     "cold": not warm_by, "error": record.error})
+    return rows
+
+
+def slowest(result: dict, count: int = 3) -> str:
+    """The ``count`` slowest first tokens of one run, cold or warm (see per_request)."""
+    rows = sorted((r for r in result["requests"] if r["ttft_ms"] is not None), key=lambda r: -r["ttft_ms"])[:count]
+    return ", ".join(f"{r['ttft_ms']:.0f} ms ({'cold' if r['cold'] else 'warm'}, tenant {r['tenant']}, "
+                     f"sent at {r['sent_s']:.0f} s)" for r in rows)
 
 
 def median_row(policy: str, runs: list[dict], ideal: float) -> str:
@@ -205,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             if not m["num_completed"]:
                 raise SystemExit(f"[{policy}] no request completed")
             print(f"[{policy}] TTFT p50 {m['ttft_ms']['p50']:.0f} ms, hit rate {100 * result['hit_rate']:.1f}%, "
-                  f"{m['output_token_throughput']:.1f} tok/s, per replica {result['requests_per_replica']}", flush=True)
+                  f"{m['output_token_throughput']:.1f} tok/s, per replica {result['requests_per_replica']}; "
+                  f"slowest first tokens: {slowest(result)}", flush=True)
     lines = ["| policy | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s | fleet hit rate | "
              "requests per replica | errors |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
     lines += [median_row(p, runs, ideal["ideal_hit_rate"]) for p, runs in results.items()]
