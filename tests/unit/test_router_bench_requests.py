@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from client.bench.runner import CompletedRequest
-from client.bench.stats import RequestRecord
+from client.bench.stats import RequestRecord, percentile
 from client.bench.workload import WorkItem
-from perf.router_bench import per_request, slowest
+from perf.router_bench import per_request, slowest, warm_ttft_p99
 
 
 def done(start: float, first: float | None, error: str | None = None) -> CompletedRequest:
@@ -30,3 +30,10 @@ def test_a_request_is_cold_until_an_earlier_one_of_its_tenant_has_a_first_token(
     assert rows[4]["ttft_ms"] is None and rows[4]["error"] == "boom"
     text = slowest({"requests": rows}, count=2)
     assert text == "3500 ms (cold, tenant 0, sent at 1 s), 3000 ms (cold, tenant 0, sent at 0 s)"
+
+
+def test_the_warm_p99_leaves_out_the_cold_first_prefills():
+    rows = [{"ttft_ms": 5000.0, "cold": True}, {"ttft_ms": None, "cold": False}]
+    rows += [{"ttft_ms": float(ms), "cold": False} for ms in range(100, 200)]
+    assert warm_ttft_p99({"requests": rows}) == percentile(list(range(100, 200)), 99)
+    assert warm_ttft_p99({"requests": rows[:1]}) != warm_ttft_p99({"requests": rows[:1]})  # nan: no warm request
