@@ -117,13 +117,13 @@ def per_request(items: list[WorkItem], completed: list, keys: dict[int, str]) ->
     rows = []
     for item, done in zip(items, completed, strict=True):
         record = done.record
-        warm_by = [other.record.first_token_time for other_item, other in zip(items, completed, strict=True)
-                   if other_item.prefix_index == item.prefix_index and other.record.first_token_time is not None
-                   and other.record.first_token_time < record.start_time]
+        warm = any(other_item.prefix_index == item.prefix_index and other.record.first_token_time is not None
+                   and other.record.first_token_time < record.start_time
+                   for other_item, other in zip(items, completed, strict=True))
         rows.append({"tenant": item.prefix_index, "session": keys[id(item)], "prompt_tokens": item.num_input_tokens,
                      "sent_s": round(record.start_time - origin, 3),
                      "ttft_ms": None if record.ttft is None else round(1000 * record.ttft, 1),
-                     "cold": not warm_by, "error": record.error})
+                     "cold": not warm, "error": record.error})
     return rows
 
 

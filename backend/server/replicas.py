@@ -50,8 +50,9 @@ REPLICA_MODELS = ("llm", "tokenizer")
 HEALTH_CHECK_INTERVAL_SECONDS = 2
 # kv_aware's softmax temperature when none is given. Its costs are in prompt tokens, so between
 # equally loaded replicas a prefix of P cached tokens leaves its holder with a chance below
-# exp(-P / T) per other replica (64 tokens at 8: 3e-4), while equal costs (a prompt cached nowhere, an idle fleet) spread over the replicas
-# instead of all going to the first (the router's own default, 0).
+# exp(-P / T) per other replica (64 tokens at 8: 3e-4), while equal costs (a prompt cached
+# nowhere, an idle fleet) spread over the replicas instead of all going to the first (the
+# router's own default, 0).
 DEFAULT_ROUTER_TEMPERATURE = 8.0
 CIRCUIT_OPEN_SECONDS = 5  # vllm-router's default is 60
 
