@@ -26,7 +26,6 @@ from backend.attention.base import AttentionMetadata
 from backend.attention.cpu_kernel.build import CpuKernels
 from backend.attention.cpu_kernel.dtypes import KERNEL_DTYPES
 from backend.attention.cpu_kernel.profiling import kernel_label
-from backend.attention.paged import plan_prefill
 from backend.attention.torch_backend import TorchAttentionBackend, plan_cache_write
 
 AMX_SDPA_MIN_QUERY_LEN = 96  # bfloat16 chunks this long or longer go to SDPA where the CPU has AMX
@@ -82,13 +81,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not (self.kernel.prefill_available and dtype in KERNEL_DTYPES):
             return super().plan_prefills(metadata, block_size, dtype, window)
         # the kernel reads the metadata itself; SDPA's masks are built only for the chunks it takes
-        to_sdpa, plans = set(self._sdpa_chunks(metadata, dtype)), []
-        start = metadata.num_decodes  # one query row per decode, and they come first
-        for i in range(metadata.num_decodes, metadata.num_seqs):
-            if i in to_sdpa:
-                plans.append(plan_prefill(metadata, i, start, block_size, dtype, window))
-            start += metadata.query_lens_list[i]
-        return plans
+        return super().plan_prefills(metadata, block_size, dtype, window, seqs=set(self._sdpa_chunks(metadata, dtype)))
 
     def _sdpa_chunks(self, metadata: AttentionMetadata, dtype: torch.dtype) -> list[int]:
         """The prefill sequences that go to SDPA rather than to the kernel."""

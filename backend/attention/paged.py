@@ -26,6 +26,7 @@ a banded mask instead of ``is_causal``; decodes read only their last W positions
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,12 +161,14 @@ class PagedAttentionBackend:
         return plan
 
     def plan_prefills(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype,
-                      window: int = 0) -> list[PrefillSeq]:
-        """Per prefill sequence, what ``prefill`` needs (masks, context block ids), built once a step."""
+                      window: int = 0, seqs: Collection[int] | None = None) -> list[PrefillSeq]:
+        """Per prefill sequence (only those in ``seqs`` when given), what ``prefill`` needs (masks,
+        context block ids), built once a step."""
         prefills = []
         start = metadata.num_decodes  # one query row per decode, and they come first
         for i in range(metadata.num_decodes, metadata.num_seqs):
-            prefills.append(plan_prefill(metadata, i, start, block_size, dtype, window))
+            if seqs is None or i in seqs:
+                prefills.append(plan_prefill(metadata, i, start, block_size, dtype, window))
             start += metadata.query_lens_list[i]
         return prefills
 
