@@ -23,6 +23,7 @@ the replicas' /metrics) against the ideal of one replica with an unbounded cache
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from pathlib import Path
@@ -114,12 +115,15 @@ def per_request(items: list[WorkItem], completed: list, keys: dict[int, str]) ->
     and whether it was ``cold``, i.e. no earlier request of its tenant had a first token when it
     was sent, so no replica could have held its system prompt (every policy pays those)."""
     origin = min(c.record.start_time for c in completed)
+    first_token = {}  # tenant -> its earliest first token
+    for item, done in zip(items, completed, strict=True):
+        if done.record.first_token_time is not None:
+            first_token[item.prefix_index] = min(first_token.get(item.prefix_index, math.inf),
+                                                 done.record.first_token_time)
     rows = []
     for item, done in zip(items, completed, strict=True):
         record = done.record
-        warm = any(other_item.prefix_index == item.prefix_index and other.record.first_token_time is not None
-                   and other.record.first_token_time < record.start_time
-                   for other_item, other in zip(items, completed, strict=True))
+        warm = first_token.get(item.prefix_index, math.inf) < record.start_time
         rows.append({"tenant": item.prefix_index, "session": keys[id(item)], "prompt_tokens": item.num_input_tokens,
                      "sent_s": round(record.start_time - origin, 3),
                      "ttft_ms": None if record.ttft is None else round(1000 * record.ttft, 1),
