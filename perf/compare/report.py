@@ -202,6 +202,9 @@ def _relative(value: float | None, reference: float | None) -> str:
     return f"{100 * (value / reference - 1):+.0f}%"
 
 
+PLOT_INCHES_PER_BAR = 0.55
+
+
 def write_plot(results: list[SystemResult], path: str | Path) -> str:
     """Output tok/s per system (bars) with TTFT p50 where known; returns a message."""
     try:
@@ -213,7 +216,8 @@ def write_plot(results: list[SystemResult], path: str | Path) -> str:
         return MISSING_MATPLOTLIB
     if not results:
         return "no results to plot"
-    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    # each bar's label takes two lines: give every bar its own height, so 15 runs' labels don't overlap
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, max(5.0, 1.0 + PLOT_INCHES_PER_BAR * len(results))))
     names = [r.name.replace(" (", "\n(") for r in results]
     colors = ["tab:blue" if r.name.startswith((TRITON_NAME_PREFIX, ENGINE_NAME_PREFIX)) else "tab:gray" for r in results]
     left.barh(names, [r.output_token_throughput for r in results], color=colors)

@@ -162,3 +162,20 @@ def test_medians_table_has_cpu_ms_per_token_by_process():
                                 "stub tokenizer": 0.0}
     row = next(line for line in medians_report(runs).splitlines() if line.startswith("| Triton llm"))
     assert row.endswith("| engine core llm 9.00, stub llm 2.00, tritonserver 1.00, client 0.50 |")
+
+
+def test_plot_gives_every_bar_room_for_its_two_line_label(tmp_path):
+    """Fifteen runs (five systems, three rounds) get a taller figure than two, so labels don't overlap."""
+    pytest.importorskip("matplotlib")
+    from perf.compare.report import write_plot  # noqa: PLC0415
+
+    def height_px(count: int) -> int:
+        results = [SystemResult(f"Triton llm (gRPC streaming) [run {i}]", "concurrency=64", 1000, 2.0, 64,
+                                ttft_p50_ms=100.0 + i) for i in range(count)]
+        path = tmp_path / f"plot{count}.png"
+        assert write_plot(results, path).startswith("plot written")
+        return int.from_bytes(path.read_bytes()[20:24], "big")  # PNG IHDR: width, then height
+
+    few, many = height_px(2), height_px(15)
+    assert few == 500  # the 5-inch floor at 100 dpi
+    assert many >= 15 * 0.55 * 100
