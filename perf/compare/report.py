@@ -218,9 +218,15 @@ def write_plot(results: list[SystemResult], path: str | Path) -> str:
         return "no results to plot"
     # each bar's label takes two lines: give every bar its own height, so 15 runs' labels don't overlap
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, max(5.0, 1.0 + PLOT_INCHES_PER_BAR * len(results))))
-    names = [r.name.replace(" (", "\n(") for r in results]
-    colors = ["tab:blue" if r.name.startswith((TRITON_NAME_PREFIX, ENGINE_NAME_PREFIX)) else "tab:gray" for r in results]
-    left.barh(names, [r.output_token_throughput for r in results], color=colors)
+
+    def label(r: SystemResult) -> str:
+        return r.name.replace(" (", "\n(")
+
+    def color(r: SystemResult) -> str:  # ours blue, peers gray
+        return "tab:blue" if r.name.startswith((TRITON_NAME_PREFIX, ENGINE_NAME_PREFIX)) else "tab:gray"
+
+    left.barh([label(r) for r in results], [r.output_token_throughput for r in results],
+              color=[color(r) for r in results])
     left.invert_yaxis()
     left.set_xlabel("output tokens/s (higher is better)")
     left.set_title("Throughput")
@@ -228,9 +234,7 @@ def write_plot(results: list[SystemResult], path: str | Path) -> str:
         left.annotate(f"{r.output_token_throughput:.0f}", (r.output_token_throughput, y), xytext=(3, -3),
                       textcoords="offset points", fontsize=8)
     timed = [r for r in results if r.ttft_p50_ms is not None]
-    right.barh([r.name.replace(" (", "\n(") for r in timed], [r.ttft_p50_ms for r in timed],
-               color=["tab:blue" if r.name.startswith((TRITON_NAME_PREFIX, ENGINE_NAME_PREFIX)) else "tab:gray"
-                      for r in timed])
+    right.barh([label(r) for r in timed], [r.ttft_p50_ms for r in timed], color=[color(r) for r in timed])
     right.invert_yaxis()
     right.set_xlabel("TTFT p50, ms (lower is better)")
     right.set_title("Time to first token")
