@@ -21,7 +21,7 @@ Systems (same prompts, same forced output lengths, greedy, same dtype):
   ``cpu_fused_ops: false`` (torch's RMSNorm, SiLU x up and rotary instead of the fused kernels,
   which are on by default), to measure each;
 * ``vllm``: vLLM's CPU build from ``make peers`` through its OpenAI streaming endpoint, with the
-  same load generator (``--api openai``); run in the ``default`` and ``tuned`` setups
+  same load generator (``--api openai``) and our max_num_seqs and max_num_batched_tokens; run in the ``default`` and ``tuned`` setups
   (perf.compare.vllm_server) and compared against the better one;
 * ``triton-vllm-backend``: Triton's own vllm_backend (its model.py at a pinned commit, ``make
   peer-vllm-backend``) on that vLLM, in our tritonserver, driven like ``triton`` (gRPC streaming);
@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                 load_before = os.getloadavg()[0]
                 print(f"starting vLLM ({setup})...", flush=True)
                 server = start_vllm(model_dir, setup, args.dtype, max_model_len, engine_config.scheduler.max_num_seqs,
-                                    args.vllm_kv_cache_gib, log_dir=args.out_dir)
+                                    args.vllm_kv_cache_gib, log_dir=args.out_dir,
+                                    max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens)
                 measured = []
                 try:
                     run_workload(server.url, SERVED_MODEL_NAME, warmup, ArrivalPattern("concurrency", 1), api=API_OPENAI)
@@ -309,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             from perf.compare.vllm_backend import RESULT_NAME, run_vllm_backend
 
             measured, extra[system] = run_vllm_backend(args, runs, warmup, load_before, model_dir, max_model_len,
-                                                       engine_config.scheduler.max_num_seqs)
+                                                       engine_config.scheduler.max_num_seqs,
+                                                       engine_config.scheduler.max_num_batched_tokens)
             for (at, _), (completed, duration, cpu, _ipc, started_load) in zip(runs, measured, strict=True):
                 note(served_result(RESULT_NAME, at, completed, duration, started_load, cpu))
         elif system == "hf-continuous":

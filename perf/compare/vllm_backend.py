@@ -36,7 +36,7 @@ Each run writes a model repository (kept under the run's out dir) holding ``vllm
   the shims ``SHIMS`` lists for names vLLM 0.32 moved, and re-exports the pinned file's
   ``TritonPythonModel``.
 * ``1/model.json``: the engine arguments of our ``vllm`` system (perf.compare.vllm_server: the same
-  model folder, dtype, max_model_len, max_num_seqs, seed 0; its ``default`` setup's
+  model folder, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed 0; its ``default`` setup's
   VLLM_CPU_KVCACHE_SPACE and offline environment go to the server's environment).
 
 vllm_backend reads no ``max_tokens`` or ``ignore_eos`` tensors: every request carries them in its
@@ -122,10 +122,15 @@ def site_packages(venv: Path, version: tuple[int, int] = sys.version_info[:2]) -
     return folder
 
 
-def engine_arguments(model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int, seed: int = 0) -> dict:
-    """model.json: the engine arguments perf.compare.vllm_server gives the ``vllm`` system's API server."""
-    return {"model": str(model_dir), "dtype": dtype, "max_model_len": int(max_model_len),
-            "max_num_seqs": int(max_num_seqs), "seed": int(seed)}
+def engine_arguments(model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int, seed: int = 0,
+                     max_num_batched_tokens: int | None = None) -> dict:
+    """model.json: the engine arguments perf.compare.vllm_server gives the ``vllm`` system's API server
+    (``max_num_batched_tokens`` None: vLLM's own default)."""
+    arguments = {"model": str(model_dir), "dtype": dtype, "max_model_len": int(max_model_len),
+                 "max_num_seqs": int(max_num_seqs), "seed": int(seed)}
+    if max_num_batched_tokens is not None:
+        arguments["max_num_batched_tokens"] = int(max_num_batched_tokens)
+    return arguments
 
 
 def _dims(dims: tuple[int, ...]) -> str:
@@ -322,7 +327,8 @@ def numpy_overlay(destination: Path, site: Path) -> Path | None:
 
 
 def write_repository(destination: Path, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int,
-                     venv: Path, source: Path, sha: str = VLLM_BACKEND_SHA, seed: int = 0) -> Path:
+                     venv: Path, source: Path, sha: str = VLLM_BACKEND_SHA, seed: int = 0,
+                     max_num_batched_tokens: int | None = None) -> Path:
     """Writes ``destination/vllm_model`` (config.pbtxt, 1/model.py, 1/model.json, and numpy-overlay
     where ``numpy_overlay`` needs one); returns ``destination``."""
     site = site_packages(venv)
@@ -331,7 +337,7 @@ def write_repository(destination: Path, model_dir: str, dtype: str, max_model_le
     overlay = numpy_overlay(version_dir.parent, site)
     (version_dir.parent / "config.pbtxt").write_text(config_pbtxt(venv, sha), encoding="utf-8")
     (version_dir / "model.py").write_text(wrapper_source(source, venv, site, sha, overlay), encoding="utf-8")
-    arguments = engine_arguments(model_dir, dtype, max_model_len, max_num_seqs, seed)
+    arguments = engine_arguments(model_dir, dtype, max_model_len, max_num_seqs, seed, max_num_batched_tokens)
     (version_dir / "model.json").write_text(json.dumps(arguments, indent=2) + "\n", encoding="utf-8")
     return Path(destination)
 
@@ -362,7 +368,7 @@ def failure_reason(log_text: str, limit: int = 5000) -> str:
 
 
 def run_vllm_backend(args, runs, warmup, load_before: float, model_dir: str, max_model_len: int,
-                     max_num_seqs: int) -> tuple[list, dict]:
+                     max_num_seqs: int, max_num_batched_tokens: int | None = None) -> tuple[list, dict]:
     """Like perf.compare's run_triton: every (pattern, items) of ``runs`` on one tritonserver serving
     vllm_model; per run (completed, duration, CpuMeter, None, load average at its start), and what
     the report records of the system."""
@@ -383,14 +389,15 @@ def run_vllm_backend(args, runs, warmup, load_before: float, model_dir: str, max
         raise VllmBackendError(str(exc)) from None
     out_dir = Path(args.out_dir)
     repository = write_repository(out_dir / "triton-vllm-backend-repository", model_dir, args.dtype, max_model_len,
-                                  max_num_seqs, venv, source, seed=0)
+                                  max_num_seqs, venv, source, seed=0, max_num_batched_tokens=max_num_batched_tokens)
     ours = vllm_server.setup_environment("default", args.vllm_kv_cache_gib, venv)
     env = {**os.environ, **ours, **vllm_server.offline_environment(python)}
     log_path = out_dir / "tritonserver-vllm-backend.log"
     log_path.unlink(missing_ok=True)
     info = {"vllm_backend": {"repo": VLLM_BACKEND_REPO, "sha": VLLM_BACKEND_SHA, "source": str(source)},
             "versions": vllm_server.vllm_version(venv), "env": ours, "shims": [f"{m}.{n} from {h}" for m, n, h in SHIMS],
-            "engine_args": engine_arguments(model_dir, args.dtype, max_model_len, max_num_seqs),
+            "engine_args": engine_arguments(model_dir, args.dtype, max_model_len, max_num_seqs,
+                                            max_num_batched_tokens=max_num_batched_tokens),
             "repository": str(repository), "log": str(log_path)}
     overlay = repository / MODEL_NAME / "numpy-overlay"
     info["numpy_overlay"] = str(overlay.resolve()) if overlay.exists() else None  # the stub's numpy, when linked

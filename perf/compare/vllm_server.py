@@ -95,8 +95,9 @@ def offline_environment(python: Path) -> dict[str, str]:
 def start_vllm(model_dir: str, setup: str = "default", dtype: str = "float32", max_model_len: int = 2048,
                max_num_seqs: int = 64, kv_cache_gib: int = 2, venv: Path = DEFAULT_VLLM_VENV,
                log_dir: Path | None = None, ready_timeout_s: float = 600.0,
-               extra_args: list[str] | None = None) -> VllmServer:
-    """Starts the API server on a free loopback port and waits until /health answers 200."""
+               extra_args: list[str] | None = None, max_num_batched_tokens: int | None = None) -> VllmServer:
+    """Starts the API server on a free loopback port and waits until /health answers 200
+    (``max_num_batched_tokens`` None: vLLM's default, 2048 for a CPU server)."""
     python = vllm_python(venv)
     port = free_port()
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
@@ -108,6 +109,8 @@ def start_vllm(model_dir: str, setup: str = "default", dtype: str = "float32", m
                "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
                "--seed", "0", *(extra_args or [])]
+    if max_num_batched_tokens is not None:
+        command += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = VllmServer(process, f"http://127.0.0.1:{port}", log_path, setup, ours)

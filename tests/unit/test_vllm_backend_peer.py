@@ -123,6 +123,7 @@ def test_inputs_and_outputs_are_the_pinned_auto_complete_ones():
 def test_engine_arguments_are_the_vllm_systems():
     assert vb.engine_arguments("/m", "float32", 8192, 64) == {
         "model": "/m", "dtype": "float32", "max_model_len": 8192, "max_num_seqs": 64, "seed": 0}
+    assert vb.engine_arguments("/m", "bfloat16", 8192, 64, max_num_batched_tokens=2048)["max_num_batched_tokens"] == 2048
 
 
 def _fake_venv(root: Path, numpy_version: str | None) -> Path:
