@@ -94,7 +94,9 @@ class ReplicaPorts:
 
 
 # A prefill replica has no decoding streams to keep smooth: larger steps prefill faster (fewer of
-# them; perf/RESULTS.md "Disaggregated prefill and decode"). Overrides given for every replica win.
+# them; perf/RESULTS.md "Disaggregated prefill and decode"). The shipped config.pbtxt has the same
+# budget; this keeps it for prefill replicas of a repository that lowered it for its decoders' ITL.
+# Overrides given for every replica win.
 PREFILL_DEFAULTS = {"max_num_batched_tokens": "2048"}
 
 
