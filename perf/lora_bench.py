@@ -113,14 +113,18 @@ def measure_vllm(url: str, requests, models: list[str]) -> dict:
             "errors": sum(1 for r in results if r[3] is not None)}
 
 
-def start_vllm_with_adapters(model_dir: str, table: Path, names: list[str], rank: int, dtype: str, max_model_len: int):
+def start_vllm_with_adapters(model_dir: str, table: Path, names: list[str], rank: int, dtype: str, config):
+    """vLLM's tuned server with the adapters of ``table``, under our engine ``config``'s limits (the
+    engines measured beside it run under them too)."""
     from perf.compare.vllm_server import SERVED_MODEL_NAME, start_vllm  # noqa: PLC0415
 
     folders = json.loads(table.read_text())
     extra = ["--enable-lora", "--max-loras", str(len(names)), "--max-lora-rank", str(rank),
              "--max-cpu-loras", str(len(names) + 1),
              "--lora-modules", *[f"{name}={table.parent / folders[name]}" for name in names]]
-    return start_vllm(model_dir, setup="tuned", dtype=dtype, max_model_len=max_model_len,
+    return start_vllm(model_dir, setup="tuned", dtype=dtype, max_model_len=config.model.max_model_len,
+                      max_num_seqs=config.scheduler.max_num_seqs,
+                      max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                       extra_args=extra), SERVED_MODEL_NAME
 
 
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm = None
     if args.vllm:
         vllm, served = start_vllm_with_adapters(plain_config.model.model_dir, table, names, args.rank, dtype,
-                                                plain_config.model.max_model_len)
+                                                plain_config)
         measure_vllm(vllm.url, requests[:2], [served])  # warm-up
         systems["vLLM base"] = (vllm.url, [served])
         systems.update({f"vLLM {n} adapter{'s' if n > 1 else ''}": (vllm.url, names[:n]) for n in counts})

@@ -134,7 +134,8 @@ def run_round(args, round_index: int, out: Path, model_dir: str, workloads, engi
             front.stop()
     print(f"[round {round_index + 1}] starting vLLM (tuned)", flush=True)
     vllm = start_vllm(model_dir, "tuned", args.dtype, engine_config.model.max_model_len,
-                      engine_config.scheduler.max_num_seqs, args.vllm_kv_cache_gib, log_dir=out)
+                      engine_config.scheduler.max_num_seqs, args.vllm_kv_cache_gib, log_dir=out,
+                      max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens)
     try:
         run_workload(vllm.url, SERVED_MODEL_NAME, grpc_items[:1], ArrivalPattern("concurrency", 1), api=API_OPENAI)
         print(f"[round {round_index + 1}] vllm bench serve -> vLLM", flush=True)

@@ -396,8 +396,7 @@ def run_vllm_backend(args, runs, warmup, load_before: float, model_dir: str, max
     log_path.unlink(missing_ok=True)
     info = {"vllm_backend": {"repo": VLLM_BACKEND_REPO, "sha": VLLM_BACKEND_SHA, "source": str(source)},
             "versions": vllm_server.vllm_version(venv), "env": ours, "shims": [f"{m}.{n} from {h}" for m, n, h in SHIMS],
-            "engine_args": engine_arguments(model_dir, args.dtype, max_model_len, max_num_seqs,
-                                            max_num_batched_tokens=max_num_batched_tokens),
+            "engine_args": json.loads((repository / MODEL_NAME / "1" / "model.json").read_text(encoding="utf-8")),
             "repository": str(repository), "log": str(log_path)}
     overlay = repository / MODEL_NAME / "numpy-overlay"
     info["numpy_overlay"] = str(overlay.resolve()) if overlay.exists() else None  # the stub's numpy, when linked
