@@ -129,7 +129,8 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
 //     whole blocks, which are contiguous in the cache ([block_size, num_kv_heads, head_size] per
 //     block), instead of one head's rows at a stride;
 //   * the next block of K and V is prefetched while this one is computed (block tables scatter
-//     blocks, so the hardware prefetcher cannot guess them);
+//     blocks, so the hardware prefetcher cannot guess them), in one slice per head computed: a
+//     whole block's prefetches at once stall the core on its few line-fill buffers;
 //   * contexts longer than kPartitionTokens are split into partitions computed in parallel and
 //     merged (their softmax maxima and sums), so a few long sequences still use every core.
 // q.k of up to `width` tokens at once, reduced with one horizontal-sums step; bfloat16 K uses
@@ -140,11 +141,14 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
 
 constexpr int kPartitionTokens = 512;
 
-// Starts fetching `bytes` from `start` into L2 (a block's rows are contiguous).
+// Starts fetching slice `index` of `count` (whole 64-byte lines) of the `bytes` from `start` into L2
+// (a block's rows are contiguous); the caller spreads a block's slices over its own work.
 template <typename T>
-inline void prefetch_bytes(const T* start, int64_t bytes) {
+inline void prefetch_slice(const T* start, int64_t bytes, int index, int count) {
   const char* p = reinterpret_cast<const char*>(start);
-  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T1);
+  const int64_t slice = (bytes / count + 63) / 64 * 64;
+  const int64_t end = std::min(bytes, (index + 1) * slice);
+  for (int64_t offset = index * slice; offset < end; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T1);
 }
 
 // scores[j] = q_row . k_rows[j] for j < count (count <= V::width); q_row holds float32 values.
@@ -350,13 +354,14 @@ void decode_vec(const T* query, const T* key_cache, const T* value_cache, const 
       for (int i = 0; i < num_heads * head_size; ++i) q[i] = load(q_seq[i]);
       // 1. every q.k of the partition (scores[head][t], t counted from the partition's start)
       for (int b = b_begin; b < b_end; ++b) {
-        if (b + 1 < b_end) prefetch_bytes(key_cache + table[b + 1] * block_stride, block_bytes);
-        else prefetch_bytes(value_cache + table[b_begin] * block_stride, block_bytes);  // the values come next
+        const T* next_block = b + 1 < b_end ? key_cache + table[b + 1] * block_stride
+                                            : value_cache + table[b_begin] * block_stride;  // the values come next
         const T* k_block = key_cache + static_cast<int64_t>(table[b]) * block_stride;
         const int block_tokens = std::min(seq_len - b * block_size, block_size);
         const int offset = (b - b_begin) * block_size;
         const int t_begin = b == b_begin ? masked : 0;  // their scores are masked: not computed
         for (int head = 0; head < num_heads; ++head) {
+          prefetch_slice(next_block, block_bytes, head, num_heads);
           const T* k_head = k_block + static_cast<int64_t>(head / group) * head_size;
           for (int t = t_begin; t < block_tokens; t += V::width) {
             const int count = block_tokens - t < V::width ? block_tokens - t : V::width;
@@ -385,12 +390,13 @@ void decode_vec(const T* query, const T* key_cache, const T* value_cache, const 
           probabilities_to_pairs(probs + head * probs_stride, padded, pairs_buffer.data() + head * (probs_stride / 2));
 #endif
       for (int b = b_begin; b < b_end; ++b) {
-        if (b + 1 < b_end) prefetch_bytes(value_cache + table[b + 1] * block_stride, block_bytes);
+        const T* next_values = b + 1 < b_end ? value_cache + table[b + 1] * block_stride : nullptr;
         const T* v_block = value_cache + static_cast<int64_t>(table[b]) * block_stride;
         const int block_tokens = std::min(seq_len - b * block_size, block_size);
         const int t_begin = b == b_begin ? masked : 0;  // rows before the window: probability 0, not read
         const int offset = (b - b_begin) * block_size;
         for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          if (next_values != nullptr) prefetch_slice(next_values, block_bytes, kv_head, num_kv_heads);
           const int first_head = kv_head * group;
           const T* v_head = v_block + static_cast<int64_t>(kv_head) * head_size;
 #ifdef LLM_CPU_AVX512_BF16
