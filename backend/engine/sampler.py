@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.engine.request import Request, SamplingParams
+from backend.engine.row_argmax import row_argmax
 
 
 @dataclass(slots=True)
@@ -134,7 +135,7 @@ class Sampler:
 
         if plain_greedy and not want_logprobs:
             # Hot path: one vectorised argmax, no copy of the logits.
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
+            return SamplerOutput(token_ids=row_argmax(logits), logprobs=None)
 
         # float32 copy: we mask and scale in place; the caller's tensor stays untouched.
         logits = logits.to(dtype=torch.float32, copy=True)

@@ -26,6 +26,7 @@ import torch
 from backend.config import CacheConfig, ConfigError, EngineConfig
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request, SamplingParams
+from backend.engine.row_argmax import row_argmax
 from backend.engine.sampler import Sampler
 from backend.kv_cache.manager import KVCacheManager
 from backend.spec_decode.verification import race
@@ -172,7 +173,7 @@ class DraftModelProposer:
     def _choose(self, logits: torch.Tensor, requests: list[Request],
                 sequences: list[DraftSequence]) -> tuple[list[int], list[torch.Tensor | None]]:
         """Greedy rows: the argmax. Sampled rows: a draw from the processed draft distribution."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = row_argmax(logits)
         probs: list[torch.Tensor | None] = [None] * len(requests)
         sampled = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if sampled:

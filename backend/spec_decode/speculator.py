@@ -25,6 +25,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine.request import Request, RequestStatus
+from backend.engine.row_argmax import row_argmax
 from backend.engine.sampler import Sampler
 from backend.spec_decode.controller import SpeculationController, StepTimeModel
 from backend.spec_decode.ngram import NgramProposer
@@ -206,7 +207,7 @@ class Speculator:
     def verify(self, request: Request, proposals: list[int], rows: torch.Tensor) -> list[int]:
         """The tokens to append after the target scored ``proposals``. rows: [1 + k, vocab] logits."""
         if request.sampling_params.greedy:
-            tokens = verify_greedy(rows.argmax(dim=-1).tolist(), proposals)
+            tokens = verify_greedy(row_argmax(rows), proposals)
             accepted = len(tokens) - 1
         else:
             repeated = [request] * rows.shape[0]
