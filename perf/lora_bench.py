@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from backend.config import engine_config_from_model_folder
+from backend.config import EngineConfig, engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
 from backend.models.loader import resolve_dtype
@@ -113,7 +113,8 @@ def measure_vllm(url: str, requests, models: list[str]) -> dict:
             "errors": sum(1 for r in results if r[3] is not None)}
 
 
-def start_vllm_with_adapters(model_dir: str, table: Path, names: list[str], rank: int, dtype: str, config):
+def start_vllm_with_adapters(model_dir: str, table: Path, names: list[str], rank: int, dtype: str,
+                             config: EngineConfig):
     """vLLM's tuned server with the adapters of ``table``, under our engine ``config``'s limits (the
     engines measured beside it run under them too)."""
     from perf.compare.vllm_server import SERVED_MODEL_NAME, start_vllm  # noqa: PLC0415

@@ -326,19 +326,24 @@ def numpy_overlay(destination: Path, site: Path) -> Path | None:
     return overlay
 
 
+def model_json(repository: Path) -> Path:
+    """Where write_repository puts the engine arguments (vllm_backend reads them from its version folder)."""
+    return Path(repository) / MODEL_NAME / "1" / "model.json"
+
+
 def write_repository(destination: Path, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int,
                      venv: Path, source: Path, sha: str = VLLM_BACKEND_SHA, seed: int = 0,
                      max_num_batched_tokens: int | None = None) -> Path:
     """Writes ``destination/vllm_model`` (config.pbtxt, 1/model.py, 1/model.json, and numpy-overlay
     where ``numpy_overlay`` needs one); returns ``destination``."""
     site = site_packages(venv)
-    version_dir = Path(destination) / MODEL_NAME / "1"
+    version_dir = model_json(destination).parent
     version_dir.mkdir(parents=True, exist_ok=True)
     overlay = numpy_overlay(version_dir.parent, site)
     (version_dir.parent / "config.pbtxt").write_text(config_pbtxt(venv, sha), encoding="utf-8")
     (version_dir / "model.py").write_text(wrapper_source(source, venv, site, sha, overlay), encoding="utf-8")
     arguments = engine_arguments(model_dir, dtype, max_model_len, max_num_seqs, seed, max_num_batched_tokens)
-    (version_dir / "model.json").write_text(json.dumps(arguments, indent=2) + "\n", encoding="utf-8")
+    model_json(destination).write_text(json.dumps(arguments, indent=2) + "\n", encoding="utf-8")
     return Path(destination)
 
 
@@ -396,7 +401,7 @@ def run_vllm_backend(args, runs, warmup, load_before: float, model_dir: str, max
     log_path.unlink(missing_ok=True)
     info = {"vllm_backend": {"repo": VLLM_BACKEND_REPO, "sha": VLLM_BACKEND_SHA, "source": str(source)},
             "versions": vllm_server.vllm_version(venv), "env": ours, "shims": [f"{m}.{n} from {h}" for m, n, h in SHIMS],
-            "engine_args": json.loads((repository / MODEL_NAME / "1" / "model.json").read_text(encoding="utf-8")),
+            "engine_args": json.loads(model_json(repository).read_text(encoding="utf-8")),
             "repository": str(repository), "log": str(log_path)}
     overlay = repository / MODEL_NAME / "numpy-overlay"
     info["numpy_overlay"] = str(overlay.resolve()) if overlay.exists() else None  # the stub's numpy, when linked
