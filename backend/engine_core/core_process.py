@@ -10,10 +10,11 @@ strings too, see ``process_client``'s docstring for why) and runs one loop on it
    for ``HEARTBEAT_SECONDS`` (the front end declares a silent core hung).
 
 It never waits on the front end: sends are non-blocking into an unbounded queue. It exits when
-asked (``CoreInput.shutdown``), when a rank of its tensor-parallel group dies (it writes why in
+asked (``CoreInput.shutdown``; its compile worker's processes are reaped first, so a stopped server
+leaves none behind), when a rank of its tensor-parallel group dies (it writes why in
 ``EXIT_REASON_FILE`` for the front end's error, which then restarts it and so every rank), and on
-its own when its parent is gone (a killed tritonserver
-leaves no orphan core): a daemon thread watches the parent pid. A parent that died while its model
+its own when its parent is gone (a killed tritonserver leaves no orphan core): a daemon thread
+watches the parent pid. A parent that died while its model
 was still serving (a killed stub) first gets tritonserver stopped, see ``stub_watch``.
 """
 
@@ -97,6 +98,8 @@ def serve(core, input_socket, output_socket, autostep: bool) -> None:
         if shutdown is not None:
             outputs = core.fail_everything(shutdown, adds)
             core.engine.close()  # before the final message: the front end then ends this process
+            if core.engine.structured_output is not None:  # no compile worker process outlives this one
+                core.engine.structured_output.end_processes()
             send(outputs, stepped=False, final=True, answers=taken)
             return
         stepped = (autostep or step_asked) and (bool(adds) or core.has_work())

@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 from backend.process_exit import describe_exit_code
@@ -205,6 +206,35 @@ def _context():
         context.set_executable(python_executable())
     context.set_forkserver_preload(_PRELOAD)
     return context
+
+
+def end_fork_server(timeout: float = 5.0) -> None:
+    """Ends this process's fork server (SIGKILL, and its workers with it) and the resource tracker it
+    started, and reaps both: for the engine core's exit, which must leave no process behind.
+
+    Closing the fork server's pipe alone is not enough: one still importing its preload at its low
+    priority notices the pipe's end only when the CPU lets it, seconds later on a busy machine, and
+    the tracker outlives every process that holds its pipe (the fork server and its workers). Only
+    for a process whose sole multiprocessing children are these; the tracker gets ``timeout``
+    seconds to exit.
+    """
+    from multiprocessing import forkserver, resource_tracker  # noqa: PLC0415
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            server._stop()  # reaps it, closes its pipe and removes its socket
+        except ChildProcessError:  # reaped already
+            pass
+    stopper = threading.Thread(target=resource_tracker._resource_tracker._stop, name="resource-tracker-stop",
+                               daemon=True)
+    stopper.start()
+    stopper.join(timeout)
 
 
 def lower_priority() -> None:

@@ -34,6 +34,7 @@ from backend.structured_output.compile_worker import (
     CompileInterrupted,
     CompileWorker,
     CompileWorkerError,
+    end_fork_server,
 )
 from backend.structured_output.spec import (
     StructuredOutputError,
@@ -114,6 +115,13 @@ class GrammarCompiler:
         """Kills the worker and cancels the compiles not finished (idempotent, never waits long)."""
         self._close()
 
+    def end_processes(self, timeout: float = 10.0) -> None:
+        """``close``, then waits for the worker's processes to be gone, the fork server and its resource
+        tracker included: for a process about to exit (the engine core). A later engine of this process
+        would start the fork server again (its imports, seconds)."""
+        self._close()
+        self._runner.end_processes(timeout)
+
 
 def _yield_to_steps() -> None:
     """The thread that reads back or compiles again runs at the worker's low priority (Linux keeps a
@@ -160,10 +168,16 @@ class _Runner:
         self._thread.start()
 
     def _start_first(self) -> None:
+        if self._closed:
+            self.first_start.set()
+            return
         try:
             seconds = self.worker.start()
             logger.info("structured output: compile worker %d started in %.2f s", self.worker.pid, seconds)
         except CompileWorkerError:
+            if self._closed:  # the engine stopped meanwhile (an exiting core ends the fork server)
+                logger.info("structured output: the compile worker's start was cut short by the engine's stop")
+                return
             logger.exception("structured output: the grammar compile worker did not start; constrained requests "
                              "fail until it does (each new one tries again)")
         finally:
@@ -183,6 +197,16 @@ class _Runner:
         self.worker.interrupt()
         self._jobs.put(None)
         self._here.shutdown(wait=False, cancel_futures=True)
+
+    def end_processes(self, timeout: float) -> None:
+        """After ``close``: ends the fork server until the feeding thread has ended (a worker start in
+        flight, waiting for the fork server's preload, then fails at once; one that began just before
+        ``close`` may have started a fork server since), then ends it for good with its resource tracker."""
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            end_fork_server()
+            self._thread.join(0.05)
+        end_fork_server()
 
     # ------------------------------------------------------------------------------------ threads
     def _feed_worker(self) -> None:

@@ -80,6 +80,10 @@ class StructuredOutputManager:
         """Kills the compile worker (idempotent, never waits long)."""
         self.compiler.close()
 
+    def end_processes(self) -> None:
+        """Kills the compile worker and waits until its processes are gone (a process about to exit)."""
+        self.compiler.end_processes()
+
     # ----------------------------------------------------------------------------- requests
     def add(self, request) -> None:
         """Starts compiling the request's constraint (a cache hit resolves at once).

@@ -25,3 +25,19 @@ def processes_whose_command_has(*markers: bytes, among: Iterable[int] | None = N
         except (OSError, IndexError, ValueError):
             continue
     return [pid for pid, parent in found.items() if parent not in found]
+
+
+def describe_processes(pids: Iterable[int]) -> str:
+    """One line per pid: its parent, state, nice value and command line (for an assertion's message)."""
+    lines = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                command = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError):
+            lines.append(f"{pid}: gone")
+            continue
+        lines.append(f"{pid}: parent {fields[1]}, state {fields[0]}, nice {fields[16]}: {command[:200]}")
+    return "\n".join(lines)

@@ -25,7 +25,7 @@ from backend.engine.request import SamplingParams
 from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
-from tests.integration.processes import processes_whose_command_has
+from tests.integration.processes import describe_processes, processes_whose_command_has
 from tests.integration.test_llm_model import metric, read_metrics
 from tests.integration.test_reliability import run_streams
 
@@ -168,7 +168,8 @@ def test_unload_reload_and_stop_leave_no_core_process(make_server):
         assert client.generate("reloaded", max_tokens=3, ignore_eos=True).error is None
     http.close()  # an open HTTP connection keeps tritonserver's stop waiting its 30 s exit timeout
     server.stop()
-    assert not live_processes_in_group(server.process.pid)
+    left = live_processes_in_group(server.process.pid)
+    assert not left, describe_processes(left)
     for pid in (first, second):
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 

@@ -18,6 +18,7 @@ import tritonclient.http as httpclient
 
 from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
+from tests.integration.processes import describe_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]
 
@@ -133,7 +134,8 @@ def test_sigterm_drains_streams_in_flight_then_exits_cleanly(make_server, model)
     assert 2.5 < ended - signalled < 15
     assert server.process.wait(timeout=30) == 0  # exited on its own, before any kill
     assert time.monotonic() - signalled < 25
-    assert not live_processes_in_group(pgid)
+    left = live_processes_in_group(pgid)
+    assert not left, describe_processes(left)
     assert shared_memory_regions() <= shm_before
 
 

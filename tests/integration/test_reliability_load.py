@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
-from tests.integration.processes import processes_whose_command_has
+from tests.integration.processes import describe_processes, processes_whose_command_has
 from tests.integration.test_llm_model import metric, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]
@@ -375,5 +375,6 @@ def test_rejected_request_then_cancel_keeps_a_stub_alive_across_unload(make_serv
     http.close()  # our own open HTTP connection would hold the stop for the exit timeout too
     stopped = time.monotonic()
     server.stop()
-    assert not live_processes_in_group(pgid)
+    left = live_processes_in_group(pgid)
+    assert not left, describe_processes(left)
     print(f"stop took {time.monotonic() - stopped:.1f} s")

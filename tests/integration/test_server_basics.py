@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
+from tests.integration.processes import describe_processes
 
 pytestmark = pytest.mark.integration
 
@@ -75,5 +76,6 @@ def test_stop_leaves_no_process_even_with_live_streams(make_server):
         time.sleep(0.2)
     assert processes_mentioning(marker) == []
     assert server.process.poll() is not None
-    assert live_processes_in_group(server.process.pid) == []
+    left = live_processes_in_group(server.process.pid)
+    assert not left, describe_processes(left)
     client.close()

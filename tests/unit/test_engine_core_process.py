@@ -8,6 +8,7 @@ silence; a stopped client and a killed parent leave no core process; the step-on
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -177,6 +178,38 @@ def test_a_killed_parent_leaves_no_orphan_core(demo_model_dir, tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_a_stopped_core_leaves_no_process_even_while_its_compile_fork_server_starts(demo_model_dir):
+    """The core's stop comes while the compile worker's fork server is still importing (seconds after
+    the core is ready): the fork server and multiprocessing's resource tracker are gone by the time
+    ``stop`` returns, as a stopped tritonserver's process group must be."""
+    script = textwrap.dedent(f"""
+        import json, os, time
+        from backend.config import engine_config_from_model_folder
+        from backend.engine_core.process_client import ProcessClient
+        from backend.server.launcher import live_processes_in_group
+        from tests.integration.processes import describe_processes, processes_whose_command_has
+
+        def ours():
+            return [pid for pid in live_processes_in_group(os.getpgid(0)) if pid != os.getpid()]
+
+        client = ProcessClient(engine_config_from_model_folder({str(DEMO_REPOSITORY / "llm")!r}), 4)
+        client.start()
+        deadline = time.monotonic() + 60
+        while not (fork_servers := processes_whose_command_has(b"multiprocessing.forkserver", among=ours())):
+            assert time.monotonic() < deadline, "no fork server started"
+            time.sleep(0.01)
+        client.stop()
+        left = ours()
+        print(json.dumps({{"fork_servers": fork_servers, "left": left, "described": describe_processes(left)}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=180, start_new_session=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["fork_servers"]
+    assert report["left"] == [], report["described"]
 
 
 def test_the_step_on_demand_core_answers_each_call_and_recovers_from_kill_9(engine):
