@@ -12,7 +12,9 @@ table gives each one's median. perf.dtype_choice measures its dtypes with the sa
 
 Setups: ``default`` (torch's threads, glibc malloc with the mmap/trim thresholds the model runner
 raises), ``tcmalloc`` / ``jemalloc`` (LD_PRELOAD of the system library, skipped when absent),
-``bind`` (OMP_PROC_BIND=close, OMP_PLACES=cores), and ``tcmalloc+bind``.
+``bind`` (OMP_PROC_BIND=close, OMP_PLACES=cores), ``passive`` (OMP_WAIT_POLICY=PASSIVE: OpenMP's
+threads sleep at once at a barrier instead of spinning first, what a machine shared with other
+work needs, see perf.cpu_contention), and ``tcmalloc+bind``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ ALLOCATORS = {
     "jemalloc": ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",),
 }
 BIND = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 MIXED_WORKLOAD = ["--num-requests", "64", "--input-len", "uniform:16:512", "--output-len", "uniform:16:256"]
 MIXED = [*MIXED_WORKLOAD, "--dtype", "bfloat16"]
 
@@ -72,6 +75,8 @@ def setup_environment(name: str) -> dict[str, str] | None:
             continue
         if part == "bind":
             env.update(BIND)
+        elif part == "passive":
+            env.update(PASSIVE)
         elif part in ALLOCATORS:
             found = next((p for p in ALLOCATORS[part] if os.path.exists(p)), None)
             if found is None:

@@ -1,0 +1,41 @@
+"""perf.cpu_contention's table gives each policy and condition its medians and its rounds turn the
+order around; perf.runtime_settings' ``passive`` setup sets OpenMP's wait policy in the child's
+environment only."""
+
+from __future__ import annotations
+
+import os
+
+from perf.cpu_contention import round_order, table
+from perf.runtime_settings import setup_environment
+
+
+def run(tok_s: float, stream_s: float, cpu_ms: float) -> dict:
+    return {"decode_tok_s": tok_s, "stream_s": stream_s, "core_cpu_ms_per_token": cpu_ms, "tokens": 64}
+
+
+def test_the_table_has_one_row_per_policy_and_condition_with_medians():
+    results = {
+        "default": {"alone": [run(50, 1.4, 30), run(40, 1.7, 35), run(60, 1.2, 28)],
+                    "busy neighbor": [run(4, 16.0, 300), run(5, 13.0, 250), run(3, 21.0, 400)]},
+        "passive": {"alone": [run(45, 1.5, 31)], "busy neighbor": [run(30, 2.2, 33)]},
+    }
+    rows = table(results).splitlines()
+    assert rows[2] == "| default | alone | 50.0 | 1.40 | 30.0 |"
+    assert rows[3] == "| default | busy neighbor | 4.0 | 16.00 | 300.0 |"
+    assert rows[5] == "| passive | busy neighbor | 30.0 | 2.20 | 33.0 |"
+    assert len(rows) == 6
+
+
+def test_the_passive_setup_sets_the_wait_policy_that_the_default_setup_leaves_alone(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert setup_environment("passive")["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert setup_environment("tcmalloc+passive") in (None, {**setup_environment("tcmalloc"), "OMP_WAIT_POLICY": "PASSIVE"})
+    assert "OMP_WAIT_POLICY" not in setup_environment("default")
+    assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_rounds_turn_the_order_of_policies_and_conditions_around():
+    first, second = round_order(["a", "b"], 0), round_order(["a", "b"], 1)
+    assert first == [("a", "alone"), ("a", "busy neighbor"), ("b", "alone"), ("b", "busy neighbor")]
+    assert second == [("b", "busy neighbor"), ("b", "alone"), ("a", "busy neighbor"), ("a", "alone")]
