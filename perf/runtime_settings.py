@@ -14,7 +14,9 @@ Setups: ``default`` (torch's threads, glibc malloc with the mmap/trim thresholds
 raises), ``tcmalloc`` / ``jemalloc`` (LD_PRELOAD of the system library, skipped when absent),
 ``bind`` (OMP_PROC_BIND=close, OMP_PLACES=cores), ``passive`` (OMP_WAIT_POLICY=PASSIVE: OpenMP's
 threads sleep at once at a barrier instead of spinning first, what a machine shared with other
-work needs, see perf.cpu_contention), and ``tcmalloc+bind``.
+work needs, see perf.cpu_contention), ``spin1k`` (GOMP_SPINCOUNT=1000: a short spin before the
+sleep), and ``tcmalloc+bind``. Arguments after ``--`` replace the workload, and may name another
+system (``-- --systems triton ...``: the server inherits the setup's environment).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ ALLOCATORS = {
 }
 BIND = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+SHORT_SPIN = {"GOMP_SPINCOUNT": "1000"}
 MIXED_WORKLOAD = ["--num-requests", "64", "--input-len", "uniform:16:512", "--output-len", "uniform:16:256"]
 MIXED = [*MIXED_WORKLOAD, "--dtype", "bfloat16"]
 
@@ -77,6 +80,8 @@ def setup_environment(name: str) -> dict[str, str] | None:
             env.update(BIND)
         elif part == "passive":
             env.update(PASSIVE)
+        elif part == "spin1k":
+            env.update(SHORT_SPIN)
         elif part in ALLOCATORS:
             found = next((p for p in ALLOCATORS[part] if os.path.exists(p)), None)
             if found is None:
