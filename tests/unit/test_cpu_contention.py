@@ -30,6 +30,7 @@ def test_the_table_has_one_row_per_policy_and_condition_with_medians():
 def test_the_passive_setup_sets_the_wait_policy_that_the_default_setup_leaves_alone(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert setup_environment("passive")["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert setup_environment("spin1k")["GOMP_SPINCOUNT"] == "1000"
     assert setup_environment("tcmalloc+passive") in (None, {**setup_environment("tcmalloc"), "OMP_WAIT_POLICY": "PASSIVE"})
     assert "OMP_WAIT_POLICY" not in setup_environment("default")
     assert "OMP_WAIT_POLICY" not in os.environ
