@@ -198,6 +198,7 @@ class TritonServer:
     log_path: Path | None
     work_dir: Path
     _owns_work_dir: bool = True
+    metrics_enabled: bool = True
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -219,13 +220,22 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def metrics_answer(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
     def wait_ready(self, timeout: float = 180.0) -> None:
-        """Blocks until /v2/health/ready answers 200; raises with the log's tail otherwise."""
+        """Blocks until /v2/health/ready answers 200 and, with metrics on, the metrics endpoint does
+        too (Triton starts it after the HTTP service: a metrics read right after ready was refused);
+        raises with the log's tail otherwise."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise LauncherError(f"tritonserver exited with {self.process.returncode}\n{self.log_tail()}")
-            if self.is_ready():
+            if self.is_ready() and (not self.metrics_enabled or self.metrics_answer()):
                 return
             time.sleep(0.25)
         raise LauncherError(f"tritonserver not ready after {timeout:.0f} s\n{self.log_tail()}")
@@ -312,7 +322,9 @@ def start_server(
     finally:
         if stdout is not None:
             stdout.close()
-    server = TritonServer(process, http_port, grpc_port, metrics_port, resolved_log, work_dir)
+    metrics_flags = [arg for arg in command if arg.startswith("--allow-metrics")]
+    server = TritonServer(process, http_port, grpc_port, metrics_port, resolved_log, work_dir,
+                          metrics_enabled=metrics_flags[-1] != "--allow-metrics=false")
     if wait:
         try:
             server.wait_ready(ready_timeout)

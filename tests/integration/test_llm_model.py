@@ -228,7 +228,9 @@ def test_busy_beyond_max_queue_len(make_server):
         time.sleep(0.1)
     second = StreamingClient(server.grpc_url)
     second.send("second", max_tokens=2, stream=True, ignore_eos=True)
-    time.sleep(0.5)
+    while metric(read_metrics(server), "llm_num_requests_waiting") < 1:  # a fixed sleep lost the race on a slow VM
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     with StreamingClient(server.grpc_url) as third:
         busy = third.generate("third", max_tokens=2)
     assert busy.error is not None and "busy" in busy.error and "max_queue_len" in busy.error
