@@ -28,15 +28,14 @@ import time
 from pathlib import Path
 
 from backend.paths import REPO_ROOT
-from backend.server.launcher import live_processes_in_group, start_server
+from backend.server.launcher import start_server
 from client.stream import StreamingClient
-from perf.idle_cpu import process_cpu_seconds
+from perf.compare.cpu_meter import CpuMeter
+from perf.runtime_settings import OPENMP_WAITS
 from perf.served import DEFAULT_MODEL_REPOSITORY
 
-# name -> the OpenMP settings of tritonserver's environment (libgomp's, which torch's wheels use)
-POLICIES = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin1k": {"GOMP_SPINCOUNT": "1000"},
-            "spin10k": {"GOMP_SPINCOUNT": "10000"}, "spin100k": {"GOMP_SPINCOUNT": "100000"}}
-ENGINE_CORE_MARKER = b"backend.engine_core.core_process"
+POLICIES = OPENMP_WAITS  # name -> the OpenMP settings of tritonserver's environment
+ENGINE_CORE_ROLE = "engine core llm"  # perf.compare.cpu_meter's name for the llm model's core process
 PROMPT = "Write a short story about a lighthouse keeper."
 
 
@@ -45,25 +44,16 @@ def start_busy_neighbor() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
 
 
-def engine_core_pid(pgid: int) -> int | None:
-    for pid in live_processes_in_group(pgid):
-        try:
-            if ENGINE_CORE_MARKER in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-        except OSError:
-            continue
-    return None
-
-
-def one_stream(grpc_url: str, model: str, max_tokens: int, core_pid: int | None) -> dict:
+def one_stream(grpc_url: str, model: str, max_tokens: int, pgid: int) -> dict:
     """Decode tok/s (tokens after the first over the time after it), the whole stream's seconds, and
     the engine core's CPU seconds per output token."""
-    cpu_before = process_cpu_seconds(core_pid) if core_pid else 0.0
+    meter = CpuMeter(pgid)
     with StreamingClient(grpc_url, model) as client:
         result = client.generate(PROMPT, timeout=600, max_tokens=max_tokens, ignore_eos=True, stream=True)
+    meter.stop()
     if result.error is not None:
         raise RuntimeError(result.error)
-    cpu = (process_cpu_seconds(core_pid) - cpu_before) if core_pid else float("nan")
+    cpu = meter.seconds_by_role().get(ENGINE_CORE_ROLE, float("nan"))
     tokens = len(result.token_ids)
     decode_s = result.end_time - result.first_token_time
     return {"decode_tok_s": (tokens - 1) / decode_s, "stream_s": result.end_time - result.start_time,
@@ -91,15 +81,14 @@ def measure(names: list[str], model_repository: str, max_tokens: int, repeat: in
         servers = {name: stack.enter_context(start_server(
             model_repository, extra_args=["--model-control-mode=explicit", "--load-model=llm"],
             env=policy_environment(name), ready_timeout=300)) for name in names}
-        core_pids = {name: engine_core_pid(server.process.pid) for name, server in servers.items()}
-        for name, server in servers.items():
-            one_stream(server.grpc_url, "llm", 8, core_pids[name])  # warm-up
+        for server in servers.values():
+            one_stream(server.grpc_url, "llm", 8, server.process.pid)  # warm-up
         for round_index in range(repeat):
             for name, condition in round_order(names, round_index):
                 neighbor = start_busy_neighbor() if condition == "busy neighbor" else None
                 try:
                     time.sleep(0.5)
-                    run = one_stream(servers[name].grpc_url, "llm", max_tokens, core_pids[name])
+                    run = one_stream(servers[name].grpc_url, "llm", max_tokens, servers[name].process.pid)
                 finally:
                     if neighbor is not None:
                         neighbor.kill()

@@ -36,8 +36,9 @@ ALLOCATORS = {
     "jemalloc": ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",),
 }
 BIND = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
-PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
-SHORT_SPIN = {"GOMP_SPINCOUNT": "1000"}
+# OpenMP wait settings by name (libgomp's, which torch's wheels use); perf.cpu_contention uses them too
+OPENMP_WAITS = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin1k": {"GOMP_SPINCOUNT": "1000"},
+                "spin10k": {"GOMP_SPINCOUNT": "10000"}, "spin100k": {"GOMP_SPINCOUNT": "100000"}}
 MIXED_WORKLOAD = ["--num-requests", "64", "--input-len", "uniform:16:512", "--output-len", "uniform:16:256"]
 MIXED = [*MIXED_WORKLOAD, "--dtype", "bfloat16"]
 
@@ -78,10 +79,8 @@ def setup_environment(name: str) -> dict[str, str] | None:
             continue
         if part == "bind":
             env.update(BIND)
-        elif part == "passive":
-            env.update(PASSIVE)
-        elif part == "spin1k":
-            env.update(SHORT_SPIN)
+        elif part in ("passive", "spin1k"):
+            env.update(OPENMP_WAITS[part])
         elif part in ALLOCATORS:
             found = next((p for p in ALLOCATORS[part] if os.path.exists(p)), None)
             if found is None:

@@ -208,29 +208,33 @@ def _context():
     return context
 
 
-def end_fork_server(timeout: float = 5.0) -> None:
-    """Ends this process's fork server (SIGKILL, and its workers with it) and the resource tracker it
-    started, and reaps both: for the engine core's exit, which must leave no process behind.
-
-    Closing the fork server's pipe alone is not enough: one still importing its preload at its low
-    priority notices the pipe's end only when the CPU lets it, seconds later on a busy machine, and
-    the tracker outlives every process that holds its pipe (the fork server and its workers). Only
-    for a process whose sole multiprocessing children are these; the tracker gets ``timeout``
-    seconds to exit.
-    """
-    from multiprocessing import forkserver, resource_tracker  # noqa: PLC0415
+def end_fork_server() -> None:
+    """Ends this process's fork server (SIGKILL, and its workers with it) and reaps it: for the engine
+    core's exit, which must leave no process behind. Closing its pipe alone is not enough: one still
+    importing its preload at its low priority notices the pipe's end only when the CPU lets it,
+    seconds later on a busy machine."""
+    from multiprocessing import forkserver  # noqa: PLC0415
 
     server = forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            server._stop()  # reaps it, closes its pipe and removes its socket
-        except ChildProcessError:  # reaped already
-            pass
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        server._stop()  # reaps it, closes its pipe and removes its socket
+    except ChildProcessError:  # reaped already
+        pass
+
+
+def end_resource_tracker(timeout: float = 5.0) -> None:
+    """Stops and reaps multiprocessing's resource tracker, which the fork server's start started and
+    which outlives every process holding its pipe; after ``end_fork_server``, and only in a process
+    whose sole multiprocessing children were the fork server's. Waits ``timeout`` seconds at most."""
+    from multiprocessing import resource_tracker  # noqa: PLC0415
+
     stopper = threading.Thread(target=resource_tracker._resource_tracker._stop, name="resource-tracker-stop",
                                daemon=True)
     stopper.start()

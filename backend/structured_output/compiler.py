@@ -35,6 +35,7 @@ from backend.structured_output.compile_worker import (
     CompileWorker,
     CompileWorkerError,
     end_fork_server,
+    end_resource_tracker,
 )
 from backend.structured_output.spec import (
     StructuredOutputError,
@@ -207,6 +208,7 @@ class _Runner:
             end_fork_server()
             self._thread.join(0.05)
         end_fork_server()
+        end_resource_tracker()
 
     # ------------------------------------------------------------------------------------ threads
     def _feed_worker(self) -> None:
