@@ -187,7 +187,7 @@ def free_port() -> int:
     raise RuntimeError(f"no free TCP port in {FREE_PORT_RANGE[0]}-{FREE_PORT_RANGE[1]}")
 
 
-def _answers_200(url: str) -> bool:
+def answers_200(url: str) -> bool:
     """A GET of ``url`` answers 200 within 2 s (False when refused, unreachable or otherwise)."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
@@ -223,10 +223,10 @@ class TritonServer:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def is_ready(self) -> bool:
-        return _answers_200(f"http://{self.http_url}/v2/health/ready")
+        return answers_200(f"http://{self.http_url}/v2/health/ready")
 
     def metrics_answer(self) -> bool:
-        return _answers_200(self.metrics_url)
+        return answers_200(self.metrics_url)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Blocks until /v2/health/ready answers 200 and, with metrics on, the metrics endpoint does

@@ -32,14 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from backend.config import parameters_from_pbtxt
-from backend.server.launcher import DEFAULT_MODEL_REPOSITORY, free_port, stop_process_group
+from backend.server.launcher import DEFAULT_MODEL_REPOSITORY, answers_200, free_port, stop_process_group
 from backend.server.repository_copy import copy_repository
 
 POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "power_of_two", "random",
@@ -199,14 +197,6 @@ def check_session_affinity(policy: str, session_affinity_ttl: int | None) -> Non
         raise ValueError(f"--session-affinity-ttl: 1 to 31536000 seconds, got {session_affinity_ttl}")
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 class Replicas:
     """The replicas and the router as processes; a context manager that always stops them all."""
 
@@ -274,7 +264,7 @@ class Replicas:
 
     def wait_replica(self, index: int, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
-        while not _healthy(f"{self.ports[index].url}/health"):
+        while not answers_200(f"{self.ports[index].url}/health"):
             process = self.processes[index]
             if process is None or process.poll() is not None or time.monotonic() > deadline:
                 raise ReplicaError(f"replica {index} did not become healthy; its log: {self.log_path(index)}\n"
@@ -325,7 +315,7 @@ class Replicas:
             self.router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True)
         deadline = time.monotonic() + 60
-        while not _healthy(f"{self.url}/health"):
+        while not answers_200(f"{self.url}/health"):
             if self.router.poll() is not None or time.monotonic() > deadline:
                 raise ReplicaError(f"vllm-router did not come up; its log:\n{self.log_tail(None)}")
             time.sleep(0.25)
