@@ -36,6 +36,7 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | cupy | cpu
     cpu_fused_ops: bool = True  # with the CPU kernels: fused RMSNorm, SiLU x up and rotary + cache write
+    cpu_adaptive_threads: bool = True  # fewer torch threads while other processes hold the CPUs (engine/cpu_threads.py)
     max_model_len: int = 2048  # prompt + output tokens of one request
     seed: int = 0
     max_prompt_bytes: int = 0  # UTF-8 bytes of one prompt; 0: PROMPT_BYTES_PER_TOKEN x max_model_len
@@ -186,6 +187,7 @@ _PARAMETERS: dict[str, tuple[str, str, int | None]] = {
     "device": ("model", "choice", None),
     "attention_backend": ("model", "choice", None),
     "cpu_fused_ops": ("model", "bool", None),
+    "cpu_adaptive_threads": ("model", "bool", None),
     "max_model_len": ("model", "int", 1),
     "seed": ("model", "int", 0),
     "max_prompt_bytes": ("model", "int", 0),

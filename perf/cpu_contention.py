@@ -1,7 +1,9 @@
 """The served ``llm`` model beside a busy process: one stream's decode speed and the engine core's CPU
 seconds, alone and with a CPU-bound process running in another session, under OpenMP's default
 wait policy, ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once) and shorter spins
-(``GOMP_SPINCOUNT``: how long a waiting thread spins before it sleeps).
+(``GOMP_SPINCOUNT``: how long a waiting thread spins before it sleeps). A policy name with
+``+fixed`` (``default+fixed``) also turns the engine's thread governor off (``cpu_adaptive_threads:
+false``, backend/engine/cpu_threads.py): its torch threads then stay at one per core.
 
 Linux's autogroup gives each session a fair share of the CPUs whatever the nice values, so one busy
 process started elsewhere (a shell, a cron job, another server) leaves tritonserver's session about
@@ -11,7 +13,7 @@ server of its own (OMP_* is read at process start; the engine core inherits trit
 environment), all started at once; each round streams once from each server alone and once beside
 the busy process, in an order that turns around every other round.
 
-    .venv/bin/python -m perf.cpu_contention [--policies default,passive,spin10k] [--max-tokens 64] \\
+    .venv/bin/python -m perf.cpu_contention [--policies default,default+fixed,spin1k+fixed] [--max-tokens 64] \\
         [--repeat 3] [--model-repository DIR]
 """
 
@@ -28,13 +30,13 @@ import time
 from pathlib import Path
 
 from backend.paths import REPO_ROOT
-from backend.server.launcher import start_server
 from client.stream import StreamingClient
 from perf.compare.cpu_meter import CpuMeter
 from perf.runtime_settings import OPENMP_WAITS
-from perf.served import DEFAULT_MODEL_REPOSITORY
+from perf.served import DEFAULT_MODEL_REPOSITORY, tritonserver
 
 POLICIES = OPENMP_WAITS  # name -> the OpenMP settings of tritonserver's environment
+FIXED_THREADS = "+fixed"  # a policy's suffix: cpu_adaptive_threads false
 ENGINE_CORE_ROLE = "engine core llm"  # perf.compare.cpu_meter's name for the llm model's core process
 PROMPT = "Write a short story about a lighthouse keeper."
 
@@ -62,8 +64,20 @@ def one_stream(grpc_url: str, model: str, max_tokens: int, pgid: int) -> dict:
 
 def policy_environment(name: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update(POLICIES[name])
+    env.update(POLICIES[name.removesuffix(FIXED_THREADS)])
     return env
+
+
+def policy_overrides(name: str) -> dict[str, str]:
+    """The config.pbtxt parameters a policy name changes."""
+    return {"cpu_adaptive_threads": "false"} if name.endswith(FIXED_THREADS) else {}
+
+
+def check_policies(names: list[str]) -> None:
+    unknown = [name for name in names if name.removesuffix(FIXED_THREADS) not in POLICIES]
+    if unknown:
+        raise SystemExit(f"--policies: unknown {', '.join(unknown)}; each one of {', '.join(POLICIES)}, "
+                         f"optionally with {FIXED_THREADS}")
 
 
 def round_order(names: list[str], round_index: int) -> list[tuple[str, str]]:
@@ -78,8 +92,8 @@ def measure(names: list[str], model_repository: str, max_tokens: int, repeat: in
     """One server per policy, all started first and left idle but for their own streams."""
     results: dict[str, dict[str, list[dict]]] = {name: {"alone": [], "busy neighbor": []} for name in names}
     with contextlib.ExitStack() as stack:
-        servers = {name: stack.enter_context(start_server(
-            model_repository, extra_args=["--model-control-mode=explicit", "--load-model=llm"],
+        servers = {name: stack.enter_context(tritonserver(
+            model_repository, policy_overrides(name), extra_args=["--model-control-mode=explicit", "--load-model=llm"],
             env=policy_environment(name), ready_timeout=300)) for name in names}
         for server in servers.values():
             one_stream(server.grpc_url, "llm", 8, server.process.pid)  # warm-up
@@ -100,7 +114,7 @@ def measure(names: list[str], model_repository: str, max_tokens: int, repeat: in
 
 
 def table(results: dict[str, dict[str, list[dict]]]) -> str:
-    lines = ["| OpenMP wait | condition | decode tok/s | stream s | engine core CPU ms/token |",
+    lines = ["| OpenMP wait (+fixed: cpu_adaptive_threads false) | condition | decode tok/s | stream s | engine core CPU ms/token |",
              "| --- | --- | ---: | ---: | ---: |"]
     for policy, runs in results.items():
         for condition, values in runs.items():
@@ -117,11 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY))
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--policies", default="default,passive,spin10k", help=f"of {', '.join(POLICIES)}")
+    parser.add_argument("--policies", default="default,default+fixed,spin1k+fixed",
+                        help=f"of {', '.join(POLICIES)}, each optionally with {FIXED_THREADS}")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "perf" / "results" / "cpu_contention.json")
     args = parser.parse_args(argv)
     from client.bench.metadata import git_state, machine_info, now_iso  # noqa: PLC0415
 
+    check_policies(args.policies.split(","))
     results = measure(args.policies.split(","), args.model_repository, args.max_tokens, args.repeat)
     print("\n" + table(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)

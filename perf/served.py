@@ -110,16 +110,18 @@ def run_logged(command: list[str], log_path: Path, timeout: float, env: dict[str
 
 @contextlib.contextmanager
 def tritonserver(model_repository: str | Path, overrides: dict[str, str] | None = None, model: str = "llm",
-                 ready_timeout: float = 300.0, edit: Callable[[str], str] | None = None) -> Iterator[TritonServer]:
+                 ready_timeout: float = 300.0, edit: Callable[[str], str] | None = None,
+                 env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> Iterator[TritonServer]:
     """tritonserver on ``model_repository``, or, with ``overrides`` (or ``edit``), on a copy holding
     only ``model`` with those config.pbtxt parameters changed (perf.compare.repository); stopped
-    (with its stubs) on exit."""
+    (with its stubs) on exit. ``env`` and ``extra_args``: its environment and more command-line
+    arguments (``start_server``'s)."""
     with tempfile.TemporaryDirectory(prefix="perf-repository-") as work:
         repository = model_repository
         if overrides or edit:
             repository = repository_with_overrides(Path(model_repository), model, overrides or {}, Path(work),
                                                    edit=edit)
-        server = start_server(repository, ready_timeout=ready_timeout)
+        server = start_server(repository, ready_timeout=ready_timeout, env=env, extra_args=extra_args)
         try:
             yield server
         finally:

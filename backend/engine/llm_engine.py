@@ -27,6 +27,7 @@ import time
 import torch
 
 from backend.config import ConfigError, EngineConfig
+from backend.engine.cpu_threads import cpu_thread_governor
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.engine_stats import collect_engine_stats
 from backend.engine.input_processor import EngineInputError, InputProcessor
@@ -101,6 +102,9 @@ class LLMEngine:
         self.groups = self.output_processor.groups
         self.beam_groups = self.output_processor.beam_groups
         self._step_requests: list[Request] | None = None  # scheduled in the running step
+        # Fewer torch threads while other processes hold this machine's CPUs; None when fixed.
+        self.cpu_threads = cpu_thread_governor(config.model.cpu_adaptive_threads, self.model_runner.device.type,
+                                               config.model.tensor_parallel_size)
 
     def _eos_token_id(self) -> int | None:
         eos = getattr(self.model_runner.hf_config, "eos_token_id", None)
@@ -340,6 +344,8 @@ class LLMEngine:
         forward_start = time.perf_counter()
         logits, rows = self.model_runner.execute(scheduled, stats.timings)
         self._observe_forward(scheduler_output.num_scheduled_tokens, stats, time.perf_counter() - forward_start)
+        if self.cpu_threads is not None:
+            self.cpu_threads.observe()
         for index, (first, values) in self.model_runner.prompt_logprobs.items():
             collect_prompt_logprobs(scheduled[index].request, first, values)
         if clock is not None:

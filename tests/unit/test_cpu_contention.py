@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 
-from perf.cpu_contention import round_order, table
+import pytest
+
+from perf.cpu_contention import check_policies, policy_environment, policy_overrides, round_order, table
 from perf.runtime_settings import setup_environment
 
 
@@ -40,3 +42,14 @@ def test_rounds_turn_the_order_of_policies_and_conditions_around():
     first, second = round_order(["a", "b"], 0), round_order(["a", "b"], 1)
     assert first == [("a", "alone"), ("a", "busy neighbor"), ("b", "alone"), ("b", "busy neighbor")]
     assert second == [("b", "busy neighbor"), ("b", "alone"), ("a", "busy neighbor"), ("a", "alone")]
+
+
+def test_a_fixed_policy_turns_the_thread_governor_off_and_keeps_its_openmp_settings(monkeypatch):
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    assert policy_overrides("spin1k+fixed") == {"cpu_adaptive_threads": "false"}
+    assert policy_overrides("default") == {}
+    assert policy_environment("spin1k+fixed")["GOMP_SPINCOUNT"] == "1000"
+    assert "GOMP_SPINCOUNT" not in policy_environment("default+fixed")  # the caller's own setting is not inherited
+    check_policies(["default", "passive+fixed"])
+    with pytest.raises(SystemExit, match="unknown spin3"):
+        check_policies(["default", "spin3+fixed"])

@@ -1,0 +1,141 @@
+"""Fewer torch threads while other processes hold this engine's CPUs, all of them again once a core is free.
+
+Why: the step's OpenMP threads meet at a barrier after every parallel loop, and a thread that
+arrives first spins before it sleeps (libgomp's default). When another process takes one of the
+cores (on Linux with autogroup, one busy process in another session is enough to leave ours half
+the CPUs), the threads outnumber the cores left: the one that spins burns the time slice that the
+one it waits for needs, and a served stream runs about 30x slower (perf.cpu_contention). With as
+many threads as cores actually left, nobody waits at a barrier for a thread that is not running.
+
+Two signals, read after a step once a window of ``WINDOW_SECONDS`` has passed:
+
+* starved: this process's threads waited in the run queue for at least ``STARVED_CORES`` cores'
+  worth of the window (the second field of ``/proc/self/task/*/schedstat``). The threads drop to
+  the cores they got: the current count less the cores' worth they waited, at least one.
+* free: the CPUs this process may run on were idle for at least ``FREE_CORES`` cores' worth of the
+  window (``/proc/stat``). Every thread comes back, after a hold that starts at ``MIN_HOLD_SECONDS``
+  and doubles (to ``MAX_HOLD_SECONDS``) each time the threads are starved again soon after coming
+  back, so a machine that stays busy costs one slow window per hold, not one per window.
+
+Off with the config.pbtxt parameter ``cpu_adaptive_threads: false`` (its threads then stay fixed),
+on a GPU, across tensor-parallel ranks (each rank keeps its share), and with one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+WINDOW_SECONDS = 0.5
+STARVED_CORES = 0.5  # run-queue wait per second of the window, summed over this process's threads
+FREE_CORES = 0.5  # idle time per second of the window, summed over the CPUs this process may use
+MIN_HOLD_SECONDS = 2.0
+MAX_HOLD_SECONDS = 60.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_wait_seconds(task_dir: str = "/proc/self/task") -> float:
+    """Seconds this process's threads (live ones) have waited in the run queue since they started."""
+    waited_ns = 0
+    for tid in os.listdir(task_dir):
+        try:
+            with open(f"{task_dir}/{tid}/schedstat") as handle:
+                waited_ns += int(handle.read().split()[1])
+        except (OSError, IndexError, ValueError):  # the thread ended, or no schedstats in this kernel
+            continue
+    return waited_ns / 1e9
+
+
+def idle_seconds(cpus: frozenset[int], stat_path: str = "/proc/stat") -> float:
+    """Seconds ``cpus`` have been idle (idle + iowait) since boot, summed."""
+    total = 0
+    with open(stat_path) as handle:
+        for line in handle:
+            if not line.startswith("cpu") or line.startswith("cpu "):
+                continue
+            name, *fields = line.split()
+            if int(name[3:]) in cpus:
+                total += int(fields[3]) + int(fields[4])
+    return total / CLOCK_TICKS
+
+
+@dataclass
+class Sample:
+    at: float  # time.monotonic()
+    waited: float  # process_wait_seconds()
+    idle: float  # idle_seconds() of the process's CPUs
+
+
+class CpuThreadGovernor:
+    """Sets torch's thread count between 1 and ``full`` from the two signals of the module docstring.
+
+    ``set_threads``, ``read_wait``, ``read_idle`` and ``clock`` are torch.set_num_threads and the
+    /proc readers above unless a test gives its own."""
+
+    def __init__(self, full: int, set_threads: Callable[[int], None], read_wait: Callable[[], float],
+                 read_idle: Callable[[], float], clock: Callable[[], float] = time.monotonic):
+        self.full = full
+        self.threads = full
+        self.reductions = 0  # times the threads were cut for want of CPU
+        self.hold_seconds = MIN_HOLD_SECONDS
+        self._set_threads, self._read_wait, self._read_idle, self._clock = set_threads, read_wait, read_idle, clock
+        self._changed_at = clock()
+        self._last = self._sample()
+
+    def _sample(self) -> Sample:
+        return Sample(self._clock(), self._read_wait(), self._read_idle())
+
+    def observe(self) -> None:
+        """After a step: nothing until a window has passed; then at most one change of thread count."""
+        now = self._clock()
+        if now - self._last.at < WINDOW_SECONDS:
+            return
+        sample = self._sample()
+        elapsed = sample.at - self._last.at
+        waited_cores = (sample.waited - self._last.waited) / elapsed
+        idle_cores = (sample.idle - self._last.idle) / elapsed
+        self._last = sample
+        if waited_cores >= STARVED_CORES and self.threads > 1:
+            self._reduce(now, waited_cores)
+        elif self.threads < self.full and idle_cores >= FREE_CORES and now - self._changed_at >= self.hold_seconds:
+            self._change(self.full, now)
+            logger.info("engine threads back to %d: %.2f of this process's CPUs were idle", self.full, idle_cores)
+
+    def _reduce(self, now: float, waited_cores: float) -> None:
+        if self.threads == self.full and self.reductions:  # starved again after coming back
+            soon = now - self._changed_at < 2 * self.hold_seconds
+            self.hold_seconds = min(2 * self.hold_seconds, MAX_HOLD_SECONDS) if soon else MIN_HOLD_SECONDS
+        threads = max(1, int(self.threads - waited_cores + 0.5))
+        self.reductions += 1
+        logger.warning("engine threads %d -> %d for %.0f s at least: they waited %.2f cores' worth for a CPU "
+                       "(another process is using this machine's cores; parameter cpu_adaptive_threads)",
+                       self.threads, threads, self.hold_seconds, waited_cores)
+        self._change(threads, now)
+
+    def _change(self, threads: int, now: float) -> None:
+        self._set_threads(threads)
+        self.threads = threads
+        self._changed_at = now
+
+
+def cpu_thread_governor(enabled: bool, device_type: str, tensor_parallel_size: int) -> CpuThreadGovernor | None:
+    """The governor of this process's torch threads, or None where it has nothing to do (see the
+    module docstring) or this system has no per-thread schedstats."""
+    import torch  # noqa: PLC0415
+
+    full = torch.get_num_threads()
+    if not enabled or device_type != "cpu" or tensor_parallel_size > 1 or full < 2:
+        return None
+    cpus = frozenset(os.sched_getaffinity(0))
+    try:
+        process_wait_seconds()
+        idle_seconds(cpus)
+    except (OSError, ValueError, IndexError):
+        logger.info("no /proc schedstats here: the engine's thread count stays fixed")
+        return None
+    return CpuThreadGovernor(full, torch.set_num_threads, process_wait_seconds, lambda: idle_seconds(cpus))
