@@ -10,8 +10,10 @@ many threads as cores actually left, nobody waits at a barrier for a thread that
 Two signals, read after a step once a window of ``WINDOW_SECONDS`` has passed:
 
 * starved: this process's threads waited in the run queue for at least ``STARVED_CORES`` cores'
-  worth of the window (the second field of ``/proc/self/task/*/schedstat``). The threads drop to
-  the cores they got: the current count less the cores' worth they waited, at least one.
+  worth of each of ``STARVED_WINDOWS`` windows in a row (the second field of
+  ``/proc/self/task/*/schedstat``; one window could be a burst of the server's own work). The
+  threads drop to the cores they got: the current count less the cores' worth they waited, at
+  least one.
 * free: the CPUs this process may run on were idle for at least ``FREE_CORES`` cores' worth of the
   window (``/proc/stat``). Every thread comes back, after a hold that starts at ``MIN_HOLD_SECONDS``
   and doubles (to ``MAX_HOLD_SECONDS``) each time the threads are starved again soon after coming
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 WINDOW_SECONDS = 0.5
 STARVED_CORES = 0.5  # run-queue wait per second of the window, summed over this process's threads
+STARVED_WINDOWS = 2  # starved windows in a row before the threads are cut
 FREE_CORES = 0.5  # idle time per second of the window, summed over the CPUs this process may use
 MIN_HOLD_SECONDS = 2.0
 MAX_HOLD_SECONDS = 60.0
@@ -83,6 +86,7 @@ class CpuThreadGovernor:
         self.threads = full
         self.reductions = 0  # times the threads were cut for want of CPU
         self.hold_seconds = MIN_HOLD_SECONDS
+        self._starved_windows = 0
         self._set_threads, self._read_wait, self._read_idle, self._clock = set_threads, read_wait, read_idle, clock
         self._changed_at = clock()
         self._last = self._sample()
@@ -100,7 +104,9 @@ class CpuThreadGovernor:
         waited_cores = (sample.waited - self._last.waited) / elapsed
         idle_cores = (sample.idle - self._last.idle) / elapsed
         self._last = sample
-        if waited_cores >= STARVED_CORES and self.threads > 1:
+        self._starved_windows = self._starved_windows + 1 if waited_cores >= STARVED_CORES else 0
+        if self._starved_windows >= STARVED_WINDOWS and self.threads > 1:
+            self._starved_windows = 0
             self._reduce(now, waited_cores)
         elif self.threads < self.full and idle_cores >= FREE_CORES and now - self._changed_at >= self.hold_seconds:
             self._change(self.full, now)

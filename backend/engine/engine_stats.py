@@ -25,7 +25,14 @@ def collect_engine_stats(engine) -> EngineStats:
         **_kv_event_stats(engine.kv_event_publisher),
         **_kv_transfer_stats(engine.kv_transfer),
         **_lora_stats(engine),
+        **_thread_stats(engine.cpu_threads),
     )
+
+
+def _thread_stats(governor) -> dict:
+    if governor is None:
+        return {}
+    return {"cpu_threads": governor.threads, "cpu_thread_reductions": governor.reductions}
 
 
 def _grammar_stats(structured_output) -> dict:

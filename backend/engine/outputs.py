@@ -109,6 +109,9 @@ class EngineStats:
     spec_decode_accepted_per_position: list[int] = field(default_factory=list)  # [k]: proposal i accepted
     spec_decode_num_steps: int = 0  # steps with a request that could speculate
     spec_decode_num_speculated_steps: int = 0  # of those, the steps the controller let speculate
+    # The CPU thread governor (backend/engine/cpu_threads.py); 0 and 0 when the thread count is fixed:
+    cpu_threads: int = 0  # torch threads now
+    cpu_thread_reductions: int = 0  # times they were cut for want of CPU (cumulative)
 
 
 @dataclass(slots=True)

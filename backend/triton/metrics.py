@@ -97,6 +97,8 @@ CUMULATIVE_COUNTERS = (
     ("kv_transfer_fallbacks", "llm_kv_transfer_fallbacks_total",
      "Decode engine: pulls that failed or came short, so the prompt (or its rest) was recomputed here"),
     ("lora_loads", "llm_lora_loads_total", "LoRA adapters loaded from their folders"),
+    ("cpu_thread_reductions", "llm_engine_cpu_thread_reductions_total",
+     "Times the engine's CPU threads were cut because other processes held the cores (cpu_adaptive_threads)"),
 )
 OFFLOAD_LOAD_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
@@ -187,6 +189,8 @@ class TritonMetrics:
         _, self.lora_load = make("llm_lora_load_seconds", "Loading one LoRA adapter from its folder", H,
                                  OFFLOAD_LOAD_BUCKETS)
         _, self.lora_loaded = make("llm_lora_loaded_adapters", "LoRA adapters in memory", G)
+        _, self.cpu_threads = make("llm_engine_cpu_threads",
+                                   "The engine's torch threads on the CPU now (0: fixed, see cpu_adaptive_threads)", G)
         self._lora_requests_family = family(name="llm_lora_requests_total",
                                             description="Requests added, by LoRA adapter", kind=C)
         self._families.append(self._lora_requests_family)
@@ -258,6 +262,8 @@ class TritonMetrics:
             self.transfer_pull.observe(seconds)
         if last is None or stats.kv_transfer_pinned_blocks != last.kv_transfer_pinned_blocks:
             self.transfer_pinned.set(stats.kv_transfer_pinned_blocks)
+        if last is None or stats.cpu_threads != last.cpu_threads:
+            self.cpu_threads.set(stats.cpu_threads)
         self._update_spec_decode(stats, last)
         self._update_lora(stats, last)
         if self.load is not None:

@@ -11,7 +11,8 @@ Systems (same prompts, same forced output lengths, greedy, same dtype):
 * ``triton-thread``: the same with ``engine_process: false`` (the engine on a thread of the stub);
 * ``triton-no-coalescing``: the ``llm`` model with ``response_coalescing: false`` (one response per
   engine step per request; not in the default set), ``triton-stream-interval-8`` the same with
-  ``stream_interval: 8`` (a response per 8 tokens);
+  ``stream_interval: 8`` (a response per 8 tokens); ``triton-fixed-threads`` with
+  ``cpu_adaptive_threads: false`` (the engine's CPU threads never cut, what its governor costs);
 * ``triton-iterative``: the ``llm_iterative`` model (Triton's sequence batcher drives the engine,
   strategy ``oldest`` as shipped), and ``triton-iterative-direct`` the same with the ``direct``
   strategy; not in the default set (run them with ``--systems``);
@@ -66,7 +67,7 @@ from perf.compare.report import SystemResult, markdown_report, medians_report, w
 DEFAULT_SYSTEMS = ("triton", "triton-thread", "engine", "engine-no-fused-ops", "engine-torch-attention", "vllm",
                    "hf-continuous", "hf-static")
 ALL_SYSTEMS = (*DEFAULT_SYSTEMS, "triton-aio", "triton-no-coalescing", "triton-stream-interval-8", "triton-iterative",
-               "triton-iterative-direct", "triton-vllm-backend")
+               "triton-iterative-direct", "triton-vllm-backend", "triton-fixed-threads")
 
 
 TRITON_THREAD_NAME = "In-thread engine, Triton llm (engine_process false)"
@@ -95,6 +96,8 @@ TRITON_SYSTEMS = {
     "triton-no-coalescing": ("llm", {"response_coalescing": "false"}, None,
                              "One response per step, Triton llm (response_coalescing false)"),
     "triton-stream-interval-8": ("llm", {"stream_interval": "8"}, None, "Stream interval 8, Triton llm"),
+    "triton-fixed-threads": ("llm", {"cpu_adaptive_threads": "false"}, None,
+                             "Fixed CPU threads, Triton llm (cpu_adaptive_threads false)"),
     "triton-iterative": ("llm_iterative", {}, None, "llm_iterative in Triton (sequence batcher, oldest)"),
     "triton-iterative-direct": ("llm_iterative", {}, direct_strategy,
                                 "llm_iterative in Triton (sequence batcher, direct)"),

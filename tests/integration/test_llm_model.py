@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import threading
@@ -214,8 +215,13 @@ def test_metrics_agree_with_what_clients_saw(triton_server):
     assert delta("llm_request_generation_tokens_sum") == streamed
     for name in ("llm_num_requests_running", "llm_num_requests_waiting", "llm_kv_cache_usage_ratio",
                  "llm_prefix_cache_queries_total", "llm_prefix_cache_hits_total", "llm_num_preemptions_total",
-                 "llm_time_per_output_token_seconds_count", "llm_request_queue_time_seconds_count"):
+                 "llm_time_per_output_token_seconds_count", "llm_request_queue_time_seconds_count",
+                 "llm_engine_cpu_thread_reductions_total"):
         metric(after, name)  # present
+    # The engine core's torch threads, one per core unless other work took some (cpu_adaptive_threads).
+    cores = len(os.sched_getaffinity(0))
+    threads = metric(after, "llm_engine_cpu_threads")
+    assert threads == 0 if cores < 2 else 1 <= threads <= cores
 
 
 def test_busy_beyond_max_queue_len(make_server):

@@ -14,6 +14,7 @@ from backend.engine import cpu_threads
 from backend.engine.cpu_threads import (
     MAX_HOLD_SECONDS,
     MIN_HOLD_SECONDS,
+    STARVED_WINDOWS,
     WINDOW_SECONDS,
     CpuThreadGovernor,
     cpu_thread_governor,
@@ -47,12 +48,21 @@ class Machine:
         governor.observe()
         return governor.threads
 
+    def starve(self, governor: CpuThreadGovernor, waited_cores: float) -> int:
+        """As many starved windows as it takes to cut the threads."""
+        for _ in range(STARVED_WINDOWS):
+            self.window(governor, waited_cores, idle_cores=0.0)
+        return governor.threads
+
 
 def test_threads_drop_to_one_when_they_wait_a_core_for_the_cpu_and_come_back_once_a_core_is_idle():
     machine = Machine()
     governor = machine.governor()
     assert machine.window(governor, waited_cores=0.1, idle_cores=0.0) == 2  # busy, not starved
-    assert machine.window(governor, waited_cores=0.98, idle_cores=0.0) == 1
+    for _ in range(3):  # a starved window between others is a burst, not a neighbor
+        assert machine.window(governor, waited_cores=0.98, idle_cores=0.0) == 2
+        assert machine.window(governor, waited_cores=0.2, idle_cores=0.0) == 2
+    assert machine.starve(governor, waited_cores=0.98) == 1
     assert machine.thread_calls == [1] and governor.reductions == 1
     # Within the hold, an idle core does not bring the threads back.
     assert machine.window(governor, waited_cores=0.0, idle_cores=1.0) == 1
@@ -65,27 +75,25 @@ def test_threads_drop_to_one_when_they_wait_a_core_for_the_cpu_and_come_back_onc
 def test_the_hold_doubles_while_the_machine_stays_busy_and_resets_after_a_quiet_stretch():
     machine = Machine()
     governor = machine.governor()
-    machine.window(governor, waited_cores=1.0, idle_cores=0.0)
+    machine.starve(governor, waited_cores=1.0)
     holds = []
     for _ in range(7):  # back after each hold, starved again at once
         machine.window(governor, waited_cores=0.0, idle_cores=1.0, seconds=governor.hold_seconds)
         assert governor.threads == 2
-        machine.window(governor, waited_cores=1.0, idle_cores=0.0)
-        assert governor.threads == 1
+        assert machine.starve(governor, waited_cores=1.0) == 1
         holds.append(governor.hold_seconds)
     assert holds == [min(MIN_HOLD_SECONDS * 2 ** k, MAX_HOLD_SECONDS) for k in range(1, 8)]
     machine.window(governor, waited_cores=0.0, idle_cores=1.0, seconds=governor.hold_seconds)
     machine.window(governor, waited_cores=0.0, idle_cores=0.0, seconds=3 * MAX_HOLD_SECONDS)  # quiet and full
-    machine.window(governor, waited_cores=1.0, idle_cores=0.0)
-    assert governor.threads == 1 and governor.hold_seconds == MIN_HOLD_SECONDS
+    assert machine.starve(governor, waited_cores=1.0) == 1 and governor.hold_seconds == MIN_HOLD_SECONDS
 
 
 def test_many_threads_drop_to_the_cores_they_got_not_to_one():
     machine = Machine()
     governor = machine.governor(full=8)
-    assert machine.window(governor, waited_cores=2.2, idle_cores=0.0) == 6
-    assert machine.window(governor, waited_cores=0.7, idle_cores=0.0) == 5  # still starved: fewer again
-    assert machine.window(governor, waited_cores=9.0, idle_cores=0.0) == 1  # never below one
+    assert machine.starve(governor, waited_cores=2.2) == 6
+    assert machine.starve(governor, waited_cores=0.7) == 5  # still starved: fewer again
+    assert machine.starve(governor, waited_cores=9.0) == 1  # never below one
 
 
 def test_nothing_is_read_before_a_window_has_passed():
