@@ -30,7 +30,7 @@ def run_engine_in_process(
 
     Returns the per-request records (input order), the wall duration (s) from the first arrival to
     the last token, and a summary of the engine (steps, preemptions, CPU seconds of this process
-    over the timed run, config).
+    over the timed run, config, and the times its CPU thread governor cut the threads).
     """
     from backend.config import engine_config_from_model_folder
     from backend.engine.llm_engine import LLMEngine
@@ -47,5 +47,6 @@ def run_engine_in_process(
     backend = engine.model_runner.attention_backend.name
     summary = {"steps": done.driver.steps, "preemptions": stats.num_preemptions, "cpu_s": done.cpu_s,
                "config": str(config), "attention_backend": backend,
-               "fused_cpu_ops": config.model.cpu_fused_ops and backend == "cpu"}
+               "fused_cpu_ops": config.model.cpu_fused_ops and backend == "cpu",
+               "cpu_thread_reductions": stats.cpu_thread_reductions}
     return [record.request_record() for record in done.records], done.duration_s, summary
