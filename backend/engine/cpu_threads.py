@@ -14,8 +14,10 @@ Two signals, read after a step once a window of ``WINDOW_SECONDS`` has passed:
   ``/proc/self/task/*/schedstat``; one window could be a burst of the server's own work). The
   threads drop to the cores they got: the current count less the cores' worth they waited, at
   least one.
-* free: the CPUs this process may run on were idle for at least ``FREE_CORES`` cores' worth of the
-  window (``/proc/stat``). Every thread comes back, after a hold that starts at ``MIN_HOLD_SECONDS``
+* free: while the engine kept its threads running (``BUSY_FRACTION`` of the window each, from the
+  first field of schedstat: an idle engine says nothing about its neighbors), the CPUs this process
+  may run on were idle for at least ``FREE_CORES`` cores' worth of it (``/proc/stat``). Every
+  thread comes back, after a hold that starts at ``MIN_HOLD_SECONDS``
   and doubles (to ``MAX_HOLD_SECONDS``) each time the threads are starved again soon after coming
   back, so a machine that stays busy costs one slow window per hold, not one per window.
 
@@ -37,21 +39,23 @@ WINDOW_SECONDS = 0.5
 STARVED_CORES = 0.5  # run-queue wait per second of the window, summed over this process's threads
 STARVED_WINDOWS = 2  # starved windows in a row before the threads are cut
 FREE_CORES = 0.5  # idle time per second of the window, summed over the CPUs this process may use
+BUSY_FRACTION = 0.75  # run time per second of the window and thread, for the window to tell a free core
 MIN_HOLD_SECONDS = 2.0
 MAX_HOLD_SECONDS = 60.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def process_wait_seconds(task_dir: str = "/proc/self/task") -> float:
-    """Seconds this process's threads (live ones) have waited in the run queue since they started."""
-    waited_ns = 0
+def process_schedstat(task_dir: str = "/proc/self/task") -> tuple[float, float]:
+    """Seconds this process's threads (live ones) have run, and waited in the run queue, since they started."""
+    ran_ns = waited_ns = 0
     for tid in os.listdir(task_dir):
         try:
             with open(f"{task_dir}/{tid}/schedstat") as handle:
-                waited_ns += int(handle.read().split()[1])
-        except (OSError, IndexError, ValueError):  # the thread ended, or no schedstats in this kernel
+                ran, waited = handle.read().split()[:2]
+            ran_ns, waited_ns = ran_ns + int(ran), waited_ns + int(waited)
+        except (OSError, ValueError):  # the thread ended, or no schedstats in this kernel
             continue
-    return waited_ns / 1e9
+    return ran_ns / 1e9, waited_ns / 1e9
 
 
 def idle_seconds(cpus: frozenset[int], stat_path: str = "/proc/stat") -> float:
@@ -70,29 +74,32 @@ def idle_seconds(cpus: frozenset[int], stat_path: str = "/proc/stat") -> float:
 @dataclass
 class Sample:
     at: float  # time.monotonic()
-    waited: float  # process_wait_seconds()
+    ran: float  # process_schedstat()
+    waited: float
     idle: float  # idle_seconds() of the process's CPUs
 
 
 class CpuThreadGovernor:
     """Sets torch's thread count between 1 and ``full`` from the two signals of the module docstring.
 
-    ``set_threads``, ``read_wait``, ``read_idle`` and ``clock`` are torch.set_num_threads and the
+    ``set_threads``, ``read_schedstat``, ``read_idle`` and ``clock`` are torch.set_num_threads and the
     /proc readers above unless a test gives its own."""
 
-    def __init__(self, full: int, set_threads: Callable[[int], None], read_wait: Callable[[], float],
-                 read_idle: Callable[[], float], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, full: int, set_threads: Callable[[int], None],
+                 read_schedstat: Callable[[], tuple[float, float]], read_idle: Callable[[], float],
+                 clock: Callable[[], float] = time.monotonic):
         self.full = full
         self.threads = full
         self.reductions = 0  # times the threads were cut for want of CPU
         self.hold_seconds = MIN_HOLD_SECONDS
         self._starved_windows = 0
-        self._set_threads, self._read_wait, self._read_idle, self._clock = set_threads, read_wait, read_idle, clock
+        self._set_threads, self._read_schedstat, self._read_idle = set_threads, read_schedstat, read_idle
+        self._clock = clock
         self._changed_at = clock()
         self._last = self._sample()
 
     def _sample(self) -> Sample:
-        return Sample(self._clock(), self._read_wait(), self._read_idle())
+        return Sample(self._clock(), *self._read_schedstat(), self._read_idle())
 
     def observe(self) -> None:
         """After a step: nothing until a window has passed; then at most one change of thread count."""
@@ -101,6 +108,7 @@ class CpuThreadGovernor:
             return
         sample = self._sample()
         elapsed = sample.at - self._last.at
+        ran_cores = (sample.ran - self._last.ran) / elapsed
         waited_cores = (sample.waited - self._last.waited) / elapsed
         idle_cores = (sample.idle - self._last.idle) / elapsed
         self._last = sample
@@ -108,7 +116,8 @@ class CpuThreadGovernor:
         if self._starved_windows >= STARVED_WINDOWS and self.threads > 1:
             self._starved_windows = 0
             self._reduce(now, waited_cores)
-        elif self.threads < self.full and idle_cores >= FREE_CORES and now - self._changed_at >= self.hold_seconds:
+        elif (self.threads < self.full and ran_cores >= BUSY_FRACTION * self.threads and idle_cores >= FREE_CORES
+              and now - self._changed_at >= self.hold_seconds):
             self._change(self.full, now)
             logger.info("engine threads back to %d: %.2f of this process's CPUs were idle", self.full, idle_cores)
 
@@ -139,9 +148,9 @@ def cpu_thread_governor(enabled: bool, device_type: str, tensor_parallel_size: i
         return None
     cpus = frozenset(os.sched_getaffinity(0))
     try:
-        process_wait_seconds()
+        process_schedstat()
         idle_seconds(cpus)
     except (OSError, ValueError, IndexError):
         logger.info("no /proc schedstats here: the engine's thread count stays fixed")
         return None
-    return CpuThreadGovernor(full, torch.set_num_threads, process_wait_seconds, lambda: idle_seconds(cpus))
+    return CpuThreadGovernor(full, torch.set_num_threads, process_schedstat, lambda: idle_seconds(cpus))

@@ -19,7 +19,7 @@ from backend.engine.cpu_threads import (
     CpuThreadGovernor,
     cpu_thread_governor,
     idle_seconds,
-    process_wait_seconds,
+    process_schedstat,
 )
 
 
@@ -28,21 +28,25 @@ class Machine:
 
     def __init__(self):
         self.now = 100.0
+        self.ran = 0.0
         self.waited = 0.0
         self.idle = 0.0
         self.reads = 0
         self.thread_calls: list[int] = []
 
-    def read_wait(self) -> float:
+    def read_schedstat(self) -> tuple[float, float]:
         self.reads += 1
-        return self.waited
+        return self.ran, self.waited
 
     def governor(self, full: int = 2) -> CpuThreadGovernor:
-        return CpuThreadGovernor(full, self.thread_calls.append, self.read_wait, lambda: self.idle, lambda: self.now)
+        return CpuThreadGovernor(full, self.thread_calls.append, self.read_schedstat, lambda: self.idle,
+                                 lambda: self.now)
 
     def window(self, governor: CpuThreadGovernor, waited_cores: float, idle_cores: float,
-               seconds: float = WINDOW_SECONDS) -> int:
+               seconds: float = WINDOW_SECONDS, ran_cores: float | None = None) -> int:
+        """A window in which the engine's threads ran ``ran_cores`` (default: all of them, busy)."""
         self.now += seconds
+        self.ran += (governor.threads if ran_cores is None else ran_cores) * seconds
         self.waited += waited_cores * seconds
         self.idle += idle_cores * seconds
         governor.observe()
@@ -68,6 +72,8 @@ def test_threads_drop_to_one_when_they_wait_a_core_for_the_cpu_and_come_back_onc
     assert machine.window(governor, waited_cores=0.0, idle_cores=1.0) == 1
     machine.window(governor, waited_cores=0.0, idle_cores=0.0, seconds=MIN_HOLD_SECONDS)
     assert governor.threads == 1  # the hold is over but the CPUs are still busy
+    # An idle engine leaves its CPUs idle whatever its neighbors do: that tells nothing.
+    assert machine.window(governor, waited_cores=0.0, idle_cores=1.0, seconds=30, ran_cores=0.05) == 1
     assert machine.window(governor, waited_cores=0.0, idle_cores=0.9) == 2
     assert machine.thread_calls == [1, 2]
 
@@ -122,7 +128,8 @@ def test_no_governor_where_it_has_nothing_to_do():
 
 def test_the_proc_readers_count_this_process_and_its_cpus():
     cpus = frozenset(os.sched_getaffinity(0))
-    assert process_wait_seconds() >= 0.0
+    ran, waited = process_schedstat()
+    assert ran > 0.0 and waited >= 0.0
     before = idle_seconds(cpus)
     time.sleep(0.3)
     assert idle_seconds(cpus) >= before
