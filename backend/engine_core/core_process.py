@@ -13,7 +13,8 @@ It never waits on the front end: sends are non-blocking into an unbounded queue.
 asked (``CoreInput.shutdown``; its compile worker's processes are reaped first, so a stopped server
 leaves none behind), when a rank of its tensor-parallel group dies (it writes why in
 ``EXIT_REASON_FILE`` for the front end's error, which then restarts it and so every rank), and on
-its own when its parent is gone (a killed tritonserver leaves no orphan core): a daemon thread
+its own when its parent is gone (a killed tritonserver leaves no orphan core, nor its compile
+worker's processes): a daemon thread
 watches the parent pid. A parent that died while its model
 was still serving (a killed stub) first gets tritonserver stopped, see ``stub_watch``.
 """
@@ -36,7 +37,8 @@ logger = logging.getLogger("backend.engine_core")
 
 def watch_parent(parent_pid: int, stub_watch=None) -> None:
     """Exits this process at once when the parent goes (it is re-parented, so getppid changes),
-    after ``stub_watch.on_stub_death`` when the front end asked for it."""
+    after ``stub_watch.on_stub_death`` when the front end asked for it, and after ending the
+    compile worker's processes, which would otherwise outlive it by seconds."""
 
     def run() -> None:
         while True:
@@ -44,10 +46,26 @@ def watch_parent(parent_pid: int, stub_watch=None) -> None:
                 from backend.engine_core.stub_watch import on_stub_death  # noqa: PLC0415
 
                 on_stub_death(stub_watch)
+                end_compile_processes()
                 os._exit(0)
             time.sleep(PARENT_POLL_SECONDS)
 
     threading.Thread(target=run, name="engine-core-parent-watch", daemon=True).start()
+
+
+def end_compile_processes() -> None:
+    """The grammar compile worker's fork server (with its workers) and multiprocessing's resource
+    tracker, if this process started them: for an exit that skips the engine's own shutdown. One
+    still importing at its low priority would notice this process's end only seconds later."""
+    if "multiprocessing.forkserver" not in sys.modules:
+        return
+    from backend.structured_output.compile_worker import end_fork_server, end_resource_tracker  # noqa: PLC0415
+
+    try:
+        end_fork_server()
+        end_resource_tracker(timeout=1.0)
+    except Exception:  # best effort on the way out: the exit must happen
+        logger.exception("ending the compile worker's processes")
 
 
 def bind_torch_threads() -> int:

@@ -26,7 +26,9 @@ from backend.engine_core.messages import AddRequest
 from backend.engine_core.process_client import ProcessClient
 from backend.engine_core.step_on_demand import CoreLost, ProcessTransport
 from backend.paths import REPO_ROOT
+from backend.server.launcher import live_processes_in_group
 from tests.conftest import DEMO_REPOSITORY
+from tests.integration.processes import describe_processes
 
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3,", "Hello", "A B C D E"]
 
@@ -210,6 +212,48 @@ def test_a_stopped_core_leaves_no_process_even_while_its_compile_fork_server_sta
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["fork_servers"]
     assert report["left"] == [], report["described"]
+
+
+def test_a_killed_parent_leaves_no_process_even_while_the_cores_compile_fork_server_starts(demo_model_dir, tmp_path):
+    """The front end (a stub, a killed tritonserver's) dies while the core's compile fork server is
+    still importing: the core, the fork server and multiprocessing's resource tracker are all gone
+    within a second of the core's exit, not seconds later when the fork server gets the CPU."""
+    pids_file = tmp_path / "pids.json"
+    script = textwrap.dedent(f"""
+        import json, os, time
+        from backend.config import engine_config_from_model_folder
+        from backend.engine_core.process_client import ProcessClient
+        from backend.server.launcher import live_processes_in_group
+        from tests.integration.processes import processes_whose_command_has
+
+        client = ProcessClient(engine_config_from_model_folder({str(DEMO_REPOSITORY / "llm")!r}), 4)
+        client.start()
+        deadline = time.monotonic() + 60
+        while not (fork_servers := processes_whose_command_has(
+                b"multiprocessing.forkserver", among=live_processes_in_group(os.getpgid(0)))):
+            assert time.monotonic() < deadline, "no fork server started"
+            time.sleep(0.01)
+        open({str(pids_file)!r}, "w").write(json.dumps({{"core": client.core_pid, "fork_servers": fork_servers}}))
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not pids_file.exists() or not pids_file.read_text():
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.01)
+        pids = json.loads(pids_file.read_text())
+        parent.kill()
+        parent.wait()
+        assert wait_gone(pids["core"], 5), "the engine core outlived its parent"
+        time.sleep(1.0)
+        left = live_processes_in_group(parent.pid)
+        assert left == [], describe_processes(left)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid in live_processes_in_group(parent.pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_step_on_demand_core_answers_each_call_and_recovers_from_kill_9(engine):
