@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -293,3 +295,40 @@ def test_prompt_logprobs_through_the_server_equal_the_engines(triton_server, off
     assert max(abs(a - b) for a, b in zip(result.prompt_logprobs, expected.prompt_logprobs, strict=True)) < 1e-4
     assert result.token_ids[: result.num_input_tokens] == expected.prompt_token_ids
     assert plain.prompt_logprobs is None and plain.token_ids == result.token_ids[result.num_input_tokens:]
+
+
+def stream_until(server, client, done, max_tokens: int, failure: str, timeout: float = 120) -> None:
+    """Streams ``max_tokens``-token requests until ``done(metrics)``."""
+    deadline = time.monotonic() + timeout
+    while not done(read_metrics(server)):
+        assert time.monotonic() < deadline, failure
+        result = client.generate("Tell me about lighthouses.", max_tokens=max_tokens, ignore_eos=True, stream=True)
+        assert result.error is None and len(result.token_ids) == max_tokens
+
+
+def test_the_engine_sheds_threads_beside_busy_processes_and_takes_them_back(triton_server):
+    """cpu_adaptive_threads (on by default) end to end: with a busy process per core in sessions of
+    their own, the served engine core cuts its torch threads (llm_engine_cpu_threads below the
+    cores, llm_engine_cpu_thread_reductions_total up) and streams on; once they are gone, streaming
+    brings every thread back."""
+    cores = len(os.sched_getaffinity(0))
+    client = StreamingClient(triton_server.grpc_url)
+    try:
+        stream_until(triton_server, client, lambda m: metric(m, "llm_engine_cpu_threads") == cores, 64,
+                     "the engine never ran on every core")
+        cuts = metric(read_metrics(triton_server), "llm_engine_cpu_thread_reductions_total")
+        neighbors = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+                     for _ in range(cores)]
+        try:
+            stream_until(triton_server, client,
+                         lambda m: metric(m, "llm_engine_cpu_thread_reductions_total") > cuts, 16,
+                         "the engine's threads were never cut beside busy processes")
+            assert 1 <= metric(read_metrics(triton_server), "llm_engine_cpu_threads") < cores
+        finally:
+            for neighbor in neighbors:
+                neighbor.kill()
+                neighbor.wait()
+        stream_until(triton_server, client, lambda m: metric(m, "llm_engine_cpu_threads") == cores, 64,
+                     "the engine's threads never came back once the CPUs were free")
+    finally:
+        client.close()
