@@ -29,7 +29,7 @@ import threading
 import time
 
 HEARTBEAT_SECONDS = 0.5
-PARENT_POLL_SECONDS = 0.5
+PARENT_POLL_SECONDS = 0.1  # a dead stub's recovery starts this soon at worst (a getppid call per poll)
 EXIT_RANK_LOST = 3
 
 logger = logging.getLogger("backend.engine_core")
