@@ -147,10 +147,8 @@ def cpu_thread_governor(enabled: bool, device_type: str, tensor_parallel_size: i
     if not enabled or device_type != "cpu" or tensor_parallel_size > 1 or full < 2:
         return None
     cpus = frozenset(os.sched_getaffinity(0))
-    try:
-        process_schedstat()
-        idle_seconds(cpus)
+    try:  # its first sample reads both /proc sources
+        return CpuThreadGovernor(full, torch.set_num_threads, process_schedstat, lambda: idle_seconds(cpus))
     except (OSError, ValueError, IndexError):
         logger.info("no /proc schedstats here: the engine's thread count stays fixed")
         return None
-    return CpuThreadGovernor(full, torch.set_num_threads, process_schedstat, lambda: idle_seconds(cpus))

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -17,6 +15,7 @@ import tritonclient.http as httpclient
 from backend.config import engine_config_from_model_folder
 from backend.engine.request import SamplingParams
 from client.stream import StreamingClient
+from perf.cpu_contention import start_busy_neighbor
 from tests.integration.conftest import MODEL_REPOSITORY
 
 pytestmark = pytest.mark.integration
@@ -317,8 +316,7 @@ def test_the_engine_sheds_threads_beside_busy_processes_and_takes_them_back(trit
         stream_until(triton_server, client, lambda m: metric(m, "llm_engine_cpu_threads") == cores, 64,
                      "the engine never ran on every core")
         cuts = metric(read_metrics(triton_server), "llm_engine_cpu_thread_reductions_total")
-        neighbors = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-                     for _ in range(cores)]
+        neighbors = [start_busy_neighbor() for _ in range(cores)]
         try:
             stream_until(triton_server, client,
                          lambda m: metric(m, "llm_engine_cpu_thread_reductions_total") > cuts, 16,

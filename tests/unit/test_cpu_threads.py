@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
 import torch
@@ -21,6 +20,7 @@ from backend.engine.cpu_threads import (
     idle_seconds,
     process_schedstat,
 )
+from perf.cpu_contention import start_busy_neighbor
 
 
 class Machine:
@@ -136,14 +136,6 @@ def test_the_proc_readers_count_this_process_and_its_cpus():
     assert idle_seconds(frozenset()) == 0.0
 
 
-BUSY = [sys.executable, "-c", "while True: pass"]
-
-
-def busy_processes(count: int) -> list[subprocess.Popen]:
-    """CPU-bound processes, each in a session of its own as another user's job would be."""
-    return [subprocess.Popen(BUSY, start_new_session=True) for _ in range(count)]
-
-
 def run_until(governor: CpuThreadGovernor, done, timeout: float) -> float:
     """Runs matrix products on torch's threads, observing after each few as the engine does after a
     step, until ``done(governor.threads)``; returns the seconds it took."""
@@ -169,7 +161,7 @@ def test_a_real_torch_loop_sheds_threads_beside_busy_processes_and_takes_them_ba
         full = governor.full
         # One busy process per core starves the loop with or without autogroup (which gives each
         # session an equal share: then this one gets cores / (cores + 1) of them).
-        neighbors = busy_processes(cores)
+        neighbors = [start_busy_neighbor() for _ in range(cores)]
         run_until(governor, lambda now: now < full, timeout=10)
         assert torch.get_num_threads() == governor.threads < full
         for neighbor in neighbors:
