@@ -219,7 +219,10 @@ class LlamaModel(nn.Module):
                  family: ModelFamily, shape: ModelShape, shard: TensorShard):
         super().__init__()
         vocab_rows = shard.vocab_rows(hf_config.vocab_size)[1]  # this rank's share (all of it alone)
-        self.embed_tokens = nn.Embedding(vocab_rows, hf_config.hidden_size)
+        # Given an empty weight, nn.Embedding skips its random init, whose meta-device path imports
+        # torch._dynamo (most of a second of every engine start).
+        self.embed_tokens = nn.Embedding(vocab_rows, hf_config.hidden_size,
+                                         _weight=torch.empty(vocab_rows, hf_config.hidden_size))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias, family, spec, shape, shard)
             for spec in family.layers

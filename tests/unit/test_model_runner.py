@@ -152,3 +152,17 @@ def test_kv_cache_allocation_and_size():
     # 4 layers x (K + V) x 16 tokens x 2 kv heads x 32 head_size x 4 bytes
     assert shape.kv_cache_bytes_per_block(16, torch.float32) == 4 * 2 * 16 * 2 * 32 * 4
     assert shape.kv_cache_bytes_per_block(16, torch.bfloat16) == 4 * 2 * 16 * 2 * 32 * 2
+
+
+def test_loading_a_model_does_not_import_torch_dynamo():
+    """A model's construction must not pull in torch._dynamo (most of a second of every engine
+    start, and so of every stub recovery): nn.Embedding's random init on the meta device did."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    path, _ = get_random_model("llama_gqa4")
+    code = ("import sys, torch\nfrom backend.models.loader import load_model\n"
+            f"load_model({str(path)!r}, torch.float32, torch.device('cpu'))\n"
+            "print('torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout
