@@ -21,6 +21,13 @@ Two signals, read after a step once a window of ``WINDOW_SECONDS`` has passed:
   and doubles (to ``MAX_HOLD_SECONDS``) each time the threads are starved again soon after coming
   back, so a machine that stays busy costs one slow window per hold, not one per window.
 
+This engine's own low-priority helpers (the grammar compile worker: processes it started, in its
+session, at least ``YIELDING_NICE`` nice levels below it) are not neighbors: within a session the
+scheduler gives them a tenth of a thread's share or less, so they slow a step by their share and
+never stall a barrier for a time slice. Their CPU time is taken off the wait and counted as free;
+without that, a few seconds of hostile grammar compiles cut the threads and doubled the ITL of
+every stream (tests/integration/test_structured_output.py, the hostile schemas).
+
 Off with the config.pbtxt parameter ``cpu_adaptive_threads: false`` (its threads then stay fixed),
 on a GPU, across tensor-parallel ranks (each rank keeps its share), and with one thread.
 """
@@ -42,6 +49,7 @@ FREE_CORES = 0.5  # idle time per second of the window, summed over the CPUs thi
 BUSY_FRACTION = 0.75  # run time per second of the window and thread, for the window to tell a free core
 MIN_HOLD_SECONDS = 2.0
 MAX_HOLD_SECONDS = 60.0
+YIELDING_NICE = 10  # nice levels below this process's at which a helper of its own yields it the CPU
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -71,35 +79,90 @@ def idle_seconds(cpus: frozenset[int], stat_path: str = "/proc/stat") -> float:
     return total / CLOCK_TICKS
 
 
+def child_pids(pid: int | str = "self") -> list[int]:
+    """The processes started by any thread of ``pid`` (``/proc/PID/task/*/children``)."""
+    children = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # it ended
+        return children
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as handle:
+                children.extend(int(child) for child in handle.read().split())
+        except (OSError, ValueError):
+            continue
+    return children
+
+
+def descendant_pids() -> list[int]:
+    found, todo = [], child_pids()
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(child_pids(pid))
+    return found
+
+
+class YieldingHelpers:
+    """CPU seconds that this process's yielding helpers (see the module docstring) have used since
+    the first call: a running total over the live ones, which a helper's end does not lower."""
+
+    def __init__(self, list_pids: Callable[[], list[int]] = descendant_pids):
+        self._list_pids = list_pids
+        self._session = os.getsid(0)
+        self._nice = os.getpriority(os.PRIO_PROCESS, 0)
+        self._seen: dict[int, float] = {}
+        self.total = 0.0
+
+    def __call__(self) -> float:
+        seen = {}
+        for pid in self._list_pids():
+            try:
+                with open(f"/proc/{pid}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):  # it ended
+                continue
+            session, nice = int(fields[3]), int(fields[16])
+            if session != self._session or nice < self._nice + YIELDING_NICE:
+                continue
+            seen[pid] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+            self.total += max(0.0, seen[pid] - self._seen.get(pid, 0.0))
+        self._seen = seen
+        return self.total
+
+
 @dataclass
 class Sample:
     at: float  # time.monotonic()
     ran: float  # process_schedstat()
     waited: float
     idle: float  # idle_seconds() of the process's CPUs
+    yielded: float  # YieldingHelpers(): CPU seconds of this engine's low-priority helpers
 
 
 class CpuThreadGovernor:
     """Sets torch's thread count between 1 and ``full`` from the two signals of the module docstring.
 
-    ``set_threads``, ``read_schedstat``, ``read_idle`` and ``clock`` are torch.set_num_threads and the
-    /proc readers above unless a test gives its own."""
+    ``set_threads``, ``read_schedstat``, ``read_idle``, ``read_yielded`` and ``clock`` are
+    torch.set_num_threads and the /proc readers above unless a test gives its own."""
 
     def __init__(self, full: int, set_threads: Callable[[int], None],
                  read_schedstat: Callable[[], tuple[float, float]], read_idle: Callable[[], float],
-                 clock: Callable[[], float] = time.monotonic):
+                 read_yielded: Callable[[], float] = lambda: 0.0, clock: Callable[[], float] = time.monotonic):
         self.full = full
         self.threads = full
         self.reductions = 0  # times the threads were cut for want of CPU
         self.hold_seconds = MIN_HOLD_SECONDS
         self._starved_windows = 0
         self._set_threads, self._read_schedstat, self._read_idle = set_threads, read_schedstat, read_idle
+        self._read_yielded = read_yielded
         self._clock = clock
         self._changed_at = clock()
         self._last = self._sample()
 
     def _sample(self) -> Sample:
-        return Sample(self._clock(), *self._read_schedstat(), self._read_idle())
+        return Sample(self._clock(), *self._read_schedstat(), self._read_idle(), self._read_yielded())
 
     def observe(self) -> None:
         """After a step: nothing until a window has passed; then at most one change of thread count."""
@@ -109,8 +172,9 @@ class CpuThreadGovernor:
         sample = self._sample()
         elapsed = sample.at - self._last.at
         ran_cores = (sample.ran - self._last.ran) / elapsed
-        waited_cores = (sample.waited - self._last.waited) / elapsed
-        idle_cores = (sample.idle - self._last.idle) / elapsed
+        yielded_cores = (sample.yielded - self._last.yielded) / elapsed
+        waited_cores = max(0.0, (sample.waited - self._last.waited) / elapsed - yielded_cores)
+        idle_cores = (sample.idle - self._last.idle) / elapsed + yielded_cores
         self._last = sample
         self._starved_windows = self._starved_windows + 1 if waited_cores >= STARVED_CORES else 0
         if self._starved_windows >= STARVED_WINDOWS and self.threads > 1:
@@ -119,7 +183,8 @@ class CpuThreadGovernor:
         elif (self.threads < self.full and ran_cores >= BUSY_FRACTION * self.threads and idle_cores >= FREE_CORES
               and now - self._changed_at >= self.hold_seconds):
             self._change(self.full, now)
-            logger.info("engine threads back to %d: %.2f of this process's CPUs were idle", self.full, idle_cores)
+            logger.info("engine threads back to %d: %.2f of this process's CPUs were idle (or its own "
+                        "low-priority helpers')", self.full, idle_cores)
 
     def _reduce(self, now: float, waited_cores: float) -> None:
         if self.threads == self.full and self.reductions:  # starved again after coming back
@@ -148,7 +213,8 @@ def cpu_thread_governor(enabled: bool, device_type: str, tensor_parallel_size: i
         return None
     cpus = frozenset(os.sched_getaffinity(0))
     try:  # its first sample reads both /proc sources
-        return CpuThreadGovernor(full, torch.set_num_threads, process_schedstat, lambda: idle_seconds(cpus))
+        return CpuThreadGovernor(full, torch.set_num_threads, process_schedstat, lambda: idle_seconds(cpus),
+                                 YieldingHelpers())
     except (OSError, ValueError, IndexError):
         logger.info("no /proc schedstats here: the engine's thread count stays fixed")
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 import torch
@@ -15,7 +16,9 @@ from backend.engine.cpu_threads import (
     MIN_HOLD_SECONDS,
     STARVED_WINDOWS,
     WINDOW_SECONDS,
+    YIELDING_NICE,
     CpuThreadGovernor,
+    YieldingHelpers,
     cpu_thread_governor,
     idle_seconds,
     process_schedstat,
@@ -31,6 +34,7 @@ class Machine:
         self.ran = 0.0
         self.waited = 0.0
         self.idle = 0.0
+        self.yielded = 0.0
         self.reads = 0
         self.thread_calls: list[int] = []
 
@@ -40,15 +44,17 @@ class Machine:
 
     def governor(self, full: int = 2) -> CpuThreadGovernor:
         return CpuThreadGovernor(full, self.thread_calls.append, self.read_schedstat, lambda: self.idle,
-                                 lambda: self.now)
+                                 read_yielded=lambda: self.yielded, clock=lambda: self.now)
 
     def window(self, governor: CpuThreadGovernor, waited_cores: float, idle_cores: float,
-               seconds: float = WINDOW_SECONDS, ran_cores: float | None = None) -> int:
-        """A window in which the engine's threads ran ``ran_cores`` (default: all of them, busy)."""
+               seconds: float = WINDOW_SECONDS, ran_cores: float | None = None, helper_cores: float = 0.0) -> int:
+        """A window in which the engine's threads ran ``ran_cores`` (default: all of them, busy) and
+        its low-priority helpers ``helper_cores``."""
         self.now += seconds
         self.ran += (governor.threads if ran_cores is None else ran_cores) * seconds
         self.waited += waited_cores * seconds
         self.idle += idle_cores * seconds
+        self.yielded += helper_cores * seconds
         governor.observe()
         return governor.threads
 
@@ -102,6 +108,16 @@ def test_many_threads_drop_to_the_cores_they_got_not_to_one():
     assert machine.starve(governor, waited_cores=9.0) == 1  # never below one
 
 
+def test_the_engines_own_low_priority_helpers_neither_cut_the_threads_nor_hold_them_back():
+    machine = Machine()
+    governor = machine.governor()
+    for _ in range(4 * STARVED_WINDOWS):  # the wait their CPU explains is not a neighbor's
+        assert machine.window(governor, waited_cores=0.7, idle_cores=0.0, helper_cores=0.4) == 2
+    assert machine.starve(governor, waited_cores=1.2) == 1  # a neighbor's wait beyond theirs still cuts
+    machine.window(governor, waited_cores=0.0, idle_cores=0.1, helper_cores=0.5, seconds=MIN_HOLD_SECONDS)
+    assert governor.threads == 2  # the CPU a helper uses is this engine's to take
+
+
 def test_nothing_is_read_before_a_window_has_passed():
     machine = Machine()
     governor = machine.governor()
@@ -134,6 +150,35 @@ def test_the_proc_readers_count_this_process_and_its_cpus():
     time.sleep(0.3)
     assert idle_seconds(cpus) >= before
     assert idle_seconds(frozenset()) == 0.0
+
+
+def test_yielding_helpers_are_this_processs_children_in_its_session_well_below_its_priority():
+    """Busy children: one at YIELDING_NICE below this process (counted), one at its own priority,
+    and one at YIELDING_NICE below but in a session (an autogroup) of its own (neither counted)."""
+    busy = "import os, sys\nos.nice(int(sys.argv[1]))\nwhile True: pass"
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    children = [subprocess.Popen([sys.executable, "-c", busy, str(YIELDING_NICE)]),
+                subprocess.Popen([sys.executable, "-c", busy, "0"]),
+                subprocess.Popen([sys.executable, "-c", busy, str(YIELDING_NICE)], start_new_session=True)]
+    try:
+        helpers = YieldingHelpers()
+        helpers()  # from here on
+        time.sleep(1.5)
+        counted = helpers()
+        assert os.getpriority(os.PRIO_PROCESS, children[0].pid) == own + YIELDING_NICE
+        assert 0.05 < counted < 1.5 + 0.1, counted  # one child's CPU, not three children's
+        only_first = YieldingHelpers(lambda: [children[0].pid])
+        others = YieldingHelpers(lambda: [children[1].pid, children[2].pid])
+        only_first(), others()
+        time.sleep(0.5)
+        assert only_first() > 0.0 and others() == 0.0
+        children[0].kill()
+        children[0].wait()
+        assert helpers() >= counted  # a helper's end does not lower the total
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
 
 
 def run_until(governor: CpuThreadGovernor, done, timeout: float) -> float:
