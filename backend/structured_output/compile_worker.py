@@ -208,6 +208,15 @@ def _context():
     return context
 
 
+_fork_server_ended = threading.Event()
+
+
+def fork_server_ended() -> bool:
+    """Whether ``end_fork_server`` ran: this process is on its way out, and a worker's start that
+    failed meanwhile is no fault to report."""
+    return _fork_server_ended.is_set()
+
+
 def end_fork_server() -> None:
     """Ends this process's fork server (SIGKILL, and its workers with it) and reaps it: for the engine
     core's exit, which must leave no process behind. Closing its pipe alone is not enough: one still
@@ -215,6 +224,7 @@ def end_fork_server() -> None:
     seconds later on a busy machine."""
     from multiprocessing import forkserver  # noqa: PLC0415
 
+    _fork_server_ended.set()
     server = forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
     if pid is None:

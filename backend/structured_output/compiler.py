@@ -36,6 +36,7 @@ from backend.structured_output.compile_worker import (
     CompileWorkerError,
     end_fork_server,
     end_resource_tracker,
+    fork_server_ended,
 )
 from backend.structured_output.spec import (
     StructuredOutputError,
@@ -176,7 +177,7 @@ class _Runner:
             seconds = self.worker.start()
             logger.info("structured output: compile worker %d started in %.2f s", self.worker.pid, seconds)
         except CompileWorkerError:
-            if self._closed:  # the engine stopped meanwhile (an exiting core ends the fork server)
+            if self._closed or fork_server_ended():  # the engine stopped meanwhile, or its core is exiting
                 logger.info("structured output: the compile worker's start was cut short by the engine's stop")
                 return
             logger.exception("structured output: the grammar compile worker did not start; constrained requests "

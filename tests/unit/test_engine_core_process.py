@@ -236,7 +236,9 @@ def test_a_killed_parent_leaves_no_process_even_while_the_cores_compile_fork_ser
         open({str(pids_file)!r}, "w").write(json.dumps({{"core": client.core_pid, "fork_servers": fork_servers}}))
         time.sleep(600)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, start_new_session=True)
+    log = tmp_path / "stderr.log"
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, start_new_session=True,
+                              stderr=open(log, "wb"))  # noqa: SIM115 (the core writes to it after the parent's death)
     try:
         deadline = time.monotonic() + 120
         while not pids_file.exists() or not pids_file.read_text():
@@ -249,6 +251,8 @@ def test_a_killed_parent_leaves_no_process_even_while_the_cores_compile_fork_ser
         time.sleep(1.0)
         left = live_processes_in_group(parent.pid)
         assert left == [], describe_processes(left)
+        # The worker's start that the exit cut short is no fault: no ERROR, no traceback.
+        assert "did not start" not in log.read_text(errors="replace"), log.read_text(errors="replace")[-3000:]
     finally:
         if parent.poll() is None:
             parent.kill()
