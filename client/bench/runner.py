@@ -29,6 +29,7 @@ from client.bench.stats import RequestRecord
 from client.bench.workload import WorkItem
 from client.openai_stream import OpenAIStreamingClient
 from client.stream import SharedStream, StreamingClient
+from client.triton_http_stream import TritonHTTPStreamingClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ def count_length_mismatches(completed: Sequence[CompletedRequest]) -> int:
 
 API_TRITON = "triton"  # Triton gRPC streaming (client.stream), the `llm` model's tensors
 API_OPENAI = "openai"  # OpenAI-compatible /v1/completions over HTTP (client.openai_stream): vLLM and peers
+API_TRITON_HTTP = "triton-http"  # Triton's HTTP generate_stream (client.triton_http_stream), the `llm` model's inputs
 
 
 def triton_inputs(item: WorkItem) -> dict:
@@ -101,11 +103,11 @@ class _User:
 
     def __init__(self, url: str, model: str, timeout_s: float, api: str = API_TRITON,
                  shared: SharedStream | None = None, headers: Callable[[WorkItem], dict] | None = None):
-        if api not in (API_TRITON, API_OPENAI):
-            raise ValueError(f"api: expected {API_TRITON!r} or {API_OPENAI!r}, got {api!r}")
+        if api not in (API_TRITON, API_OPENAI, API_TRITON_HTTP):
+            raise ValueError(f"api: expected {API_TRITON!r}, {API_OPENAI!r} or {API_TRITON_HTTP!r}, got {api!r}")
         self.url, self.model, self.timeout_s, self.api, self.shared = url, model, timeout_s, api, shared
         self.headers = headers
-        self.client: StreamingClient | OpenAIStreamingClient | None = None
+        self.client: StreamingClient | OpenAIStreamingClient | TritonHTTPStreamingClient | None = None
 
     def close(self, cancel: bool = False) -> None:
         if self.client is not None:
@@ -118,6 +120,8 @@ class _User:
     def run(self, item: WorkItem, progress: Progress) -> CompletedRequest:
         if self.api == API_OPENAI:
             return self._run_openai(item, progress)
+        if self.api == API_TRITON_HTTP:
+            return self._run_triton_http(item, progress)
         on_response, inputs = token_counter(progress), triton_inputs(item)
         start = time.monotonic()
         if self.shared is not None:
@@ -140,6 +144,17 @@ class _User:
             return failed_request(item, start, exc, progress)
         if self.headers is not None:
             self.close()
+        return completed_request(item, result, progress)
+
+    def _run_triton_http(self, item: WorkItem, progress: Progress) -> CompletedRequest:
+        start = time.monotonic()
+        try:
+            if self.client is None:
+                self.client = TritonHTTPStreamingClient(self.url, self.model, self.timeout_s)
+            result = self.client.generate(item.prompt, on_response=token_counter(progress), **triton_inputs(item))
+        except Exception as exc:  # noqa: BLE001 (connection refused, timeouts: a failed request, not a crash)
+            self.close(cancel=True)
+            return failed_request(item, start, exc, progress)
         return completed_request(item, result, progress)
 
     def _run_openai(self, item: WorkItem, progress: Progress) -> CompletedRequest:

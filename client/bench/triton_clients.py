@@ -14,18 +14,25 @@ from collections.abc import Sequence
 
 from client.bench.aio_runner import run_workload_aio
 from client.bench.arrivals import ArrivalPattern
-from client.bench.runner import API_TRITON, CompletedRequest, run_workload
+from client.bench.runner import API_TRITON, API_TRITON_HTTP, CompletedRequest, run_workload
 from client.bench.workload import WorkItem
 
-TRITON_CLIENTS = ("shared-stream", "stream-per-user", "aio-stream-per-user")
+TRITON_CLIENTS = ("shared-stream", "stream-per-user", "aio-stream-per-user", "http-stream-per-user")
+
+
+def client_url(server, client: str) -> str:
+    """The address of ``server`` (backend.server.launcher.TritonServer) that ``client`` talks to."""
+    return server.http_url if client == "http-stream-per-user" else server.grpc_url
 
 
 def run_triton_workload(url: str, model: str, items: Sequence[WorkItem], pattern: ArrivalPattern, client: str,
                         **options) -> tuple[list[CompletedRequest], float]:
-    """``run_workload`` on Triton's gRPC API with the streams ``client`` names (``options``: seed,
+    """``run_workload`` on Triton with the streams ``client`` names (``url``: ``client_url``; ``options``: seed,
     timeout_s, max_concurrency, progress)."""
     if client == "aio-stream-per-user":
         return run_workload_aio(url, model, items, pattern, **options)
+    if client == "http-stream-per-user":
+        return run_workload(url, model, items, pattern, api=API_TRITON_HTTP, **options)
     if client not in TRITON_CLIENTS:
         raise ValueError(f"triton client: expected one of {', '.join(TRITON_CLIENTS)}, got {client!r}")
     return run_workload(url, model, items, pattern, api=API_TRITON, shared_stream=client == "shared-stream",

@@ -9,6 +9,9 @@ Systems (same prompts, same forced output lengths, greedy, same dtype):
   core in its own process, the default; the engine-core IPC cost per step comes from the
   server's ``llm_engine_core_ipc_seconds`` histogram);
 * ``triton-thread``: the same with ``engine_process: false`` (the engine on a thread of the stub);
+* ``triton-http``: the same ``llm`` model through Triton's HTTP generate_stream endpoint, a kept-alive
+  connection per user (client.triton_http_stream): no gRPC client machinery on the cores the
+  server shares; not in the default set;
 * ``triton-no-coalescing``: the ``llm`` model with ``response_coalescing: false`` (one response per
   engine step per request; not in the default set), ``triton-stream-interval-8`` the same with
   ``stream_interval: 8`` (a response per 8 tokens); ``triton-fixed-threads`` with
@@ -59,7 +62,7 @@ from client.bench.progress import Progress
 from client.bench.prompts import PromptBuilder
 from client.bench.runner import API_OPENAI, count_length_mismatches, run_workload
 from client.bench.stats import compute_metrics
-from client.bench.triton_clients import TRITON_CLIENTS, run_triton_workload
+from client.bench.triton_clients import TRITON_CLIENTS, client_url, run_triton_workload
 from client.bench.workload import RUN_SEED_STRIDE, build_workload, token_requests
 from perf.compare.cpu_meter import CpuMeter
 from perf.compare.report import SystemResult, markdown_report, medians_report, write_plot
@@ -67,7 +70,7 @@ from perf.compare.report import SystemResult, markdown_report, medians_report, w
 DEFAULT_SYSTEMS = ("triton", "triton-thread", "engine", "engine-no-fused-ops", "engine-torch-attention", "vllm",
                    "hf-continuous", "hf-static")
 ALL_SYSTEMS = (*DEFAULT_SYSTEMS, "triton-aio", "triton-no-coalescing", "triton-stream-interval-8", "triton-iterative",
-               "triton-iterative-direct", "triton-vllm-backend", "triton-fixed-threads")
+               "triton-iterative-direct", "triton-vllm-backend", "triton-fixed-threads", "triton-http")
 
 
 TRITON_THREAD_NAME = "In-thread engine, Triton llm (engine_process false)"
@@ -93,6 +96,7 @@ TRITON_SYSTEMS = {
     "triton": ("llm", {}, None, "Triton llm (gRPC streaming)"),
     "triton-thread": ("llm", {"engine_process": "false"}, None, TRITON_THREAD_NAME),
     "triton-aio": ("llm", {}, None, "Triton llm, asyncio load generator (a stream per user)"),
+    "triton-http": ("llm", {}, None, "Triton llm, HTTP generate_stream (a connection per user)"),
     "triton-no-coalescing": ("llm", {"response_coalescing": "false"}, None,
                              "One response per step, Triton llm (response_coalescing false)"),
     "triton-stream-interval-8": ("llm", {"stream_interval": "8"}, None, "Stream interval 8, Triton llm"),
@@ -105,7 +109,7 @@ TRITON_SYSTEMS = {
 
 
 # systems whose load generator holds its streams its own way, whatever --triton-client says
-SYSTEM_CLIENTS = {"triton-aio": "aio-stream-per-user"}
+SYSTEM_CLIENTS = {"triton-aio": "aio-stream-per-user", "triton-http": "http-stream-per-user"}
 
 
 def settle(pgid: int) -> None:
@@ -135,10 +139,10 @@ def run_triton(args, system: str, runs, warmup, load_before: float) -> list:
             load = load_before if index == 0 else os.getloadavg()[0]
             before = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
             cpu = CpuMeter(server.process.pid)
+            client = SYSTEM_CLIENTS.get(system, args.triton_client)
             with Progress(f"{system} {pattern.label}", len(items), args.progress_interval) as progress:
-                completed, duration = run_triton_workload(server.grpc_url, model, items, pattern,
-                                                          SYSTEM_CLIENTS.get(system, args.triton_client),
-                                                          seed=args.seed, progress=progress)
+                completed, duration = run_triton_workload(client_url(server, client), model, items, pattern,
+                                                          client, seed=args.seed, progress=progress)
             cpu.stop()
             after = scrape_histogram(server.metrics_url, "llm_engine_core_ipc_seconds")
             measured.append((completed, duration, cpu, histogram_median(before, after), load))

@@ -140,20 +140,22 @@ def test_one_shared_stream_carries_every_threads_requests(triton_server):
         assert result.token_ids == want[i] and len(result.token_ids) == 6
 
 
-def test_asyncio_streams_per_user_give_the_threaded_clients_results(triton_server):
-    """client.bench.triton_clients' ``aio-stream-per-user``: ten forced-length requests from three
-    users, each a coroutine with its own gRPC stream, end with the text, token count and finish
-    reason the threaded stream-per-user client gets for them; a request the model refuses (a
-    negative max_tokens) is that request's error alone, and its user goes on."""
+@pytest.mark.parametrize("kind", ["aio-stream-per-user", "http-stream-per-user"])
+def test_other_client_kinds_give_the_threaded_clients_results(triton_server, kind):
+    """client.bench.triton_clients' ``aio-stream-per-user`` (a coroutine and a gRPC stream per
+    user) and ``http-stream-per-user`` (a thread and an HTTP generate_stream connection per user):
+    ten forced-length requests from three users end with the text, token count and finish reason
+    the threaded stream-per-user client gets for them; a request the model refuses (a negative
+    max_tokens) is that request's error alone, and its user goes on."""
     from client.bench.arrivals import ArrivalPattern
-    from client.bench.triton_clients import run_triton_workload
+    from client.bench.triton_clients import client_url, run_triton_workload
     from client.bench.workload import WorkItem
 
     items = [WorkItem(f"Prompt number {i}: the quick brown fox" + " jumps" * i, 0, 3 + i % 4) for i in range(10)]
     items[4] = WorkItem("refused", 0, -1)
     pattern = ArrivalPattern("concurrency", 3)
     threaded, _ = run_triton_workload(triton_server.grpc_url, "llm", items, pattern, "stream-per-user", timeout_s=120)
-    coroutines, duration = run_triton_workload(triton_server.grpc_url, "llm", items, pattern, "aio-stream-per-user",
+    coroutines, duration = run_triton_workload(client_url(triton_server, kind), "llm", items, pattern, kind,
                                                timeout_s=120)
     assert len(coroutines) == 10 and duration > 0
     for index, (want, got) in enumerate(zip(threaded, coroutines, strict=True)):

@@ -112,6 +112,30 @@ def test_streaming_and_non_streaming_give_the_same_text(triton_server):
     assert whole.finish_reason == streamed.finish_reason
 
 
+def test_http_generate_stream_gives_what_the_grpc_stream_gives(triton_server):
+    """Triton's HTTP generate_stream endpoint (client.triton_http_stream, the load generator's
+    http-stream-per-user) streams the same greedy tokens, one response per token, and the counts;
+    a bad input is an error naming the field, on that request only."""
+    from client.triton_http_stream import TritonHTTPStreamingClient
+
+    prompt = "Return the number of items"
+    with StreamingClient(triton_server.grpc_url) as client:
+        expected = client.generate(prompt, max_tokens=24, stream=True, ignore_eos=True)
+    with TritonHTTPStreamingClient(triton_server.http_url) as client:
+        responses = []
+        got = client.generate(prompt, on_response=lambda _rid, r: responses.append(len(r.token_ids)),
+                              max_tokens=24, stream=True, ignore_eos=True)
+        bad = client.generate(prompt, max_tokens=24, stream=True, temperature=-1.0)
+        again = client.generate(prompt, max_tokens=24, stream=True, ignore_eos=True)  # the same connection
+    assert got.error is None and expected.error is None
+    assert got.text == expected.text and got.token_ids == expected.token_ids and len(got.token_ids) == 24
+    assert responses == list(range(1, 25)) and len(got.token_times) == 24
+    assert got.num_output_tokens == 24 and got.num_input_tokens == expected.num_input_tokens
+    assert got.finish_reason == expected.finish_reason == "length"
+    assert bad.error is not None and "temperature" in bad.error
+    assert again.error is None and again.token_ids == expected.token_ids
+
+
 def test_empty_prompt_generates_from_the_bos_token(triton_server):
     with StreamingClient(triton_server.grpc_url) as client:
         result = client.generate("", max_tokens=5, ignore_eos=True)
