@@ -4,6 +4,7 @@ the load generator's HTTP clients (client.openai_stream, client.triton_http_stre
 from __future__ import annotations
 
 import http.client
+from typing import Self
 from urllib.parse import urlsplit
 
 
@@ -40,6 +41,24 @@ class KeepAliveConnection:
                 if not reused or attempt:
                     raise
         raise AssertionError("unreachable")
+
+
+class KeepAliveClient:
+    """Base of a streaming client on one ``KeepAliveConnection`` (``self.connection``): closing it
+    is how an HTTP client cancels, and the server aborts a streamed request whose client went away."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0):
+        self.connection = KeepAliveConnection(url, timeout_s)
+
+    def close(self, cancel_requests: bool = False) -> None:
+        del cancel_requests  # closing the socket is how an HTTP client cancels
+        self.connection.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def server_sent_events(response: http.client.HTTPResponse):

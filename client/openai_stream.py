@@ -16,27 +16,16 @@ from __future__ import annotations
 import json
 import time
 
-from client.keepalive_http import KeepAliveConnection, server_sent_events
+from client.keepalive_http import KeepAliveClient, server_sent_events
 from client.stream import StreamResult
 
 
-class OpenAIStreamingClient:
+class OpenAIStreamingClient(KeepAliveClient):
     """One connection to ``url`` (e.g. ``http://127.0.0.1:8000``) serving ``model``."""
 
     def __init__(self, url: str, model: str, timeout_s: float = 600.0):
-        self.connection = KeepAliveConnection(url, timeout_s)
-        self.model, self.timeout_s = model, timeout_s
-
-    def close(self, cancel_requests: bool = False) -> None:
-        """Closes the connection; a server like vLLM aborts a request whose client went away."""
-        del cancel_requests  # closing the socket is how an HTTP client cancels
-        self.connection.close()
-
-    def __enter__(self) -> OpenAIStreamingClient:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+        super().__init__(url, timeout_s)
+        self.model = model
 
     def generate(self, prompt: str, max_tokens: int, ignore_eos: bool = True, on_chunk=None,
                  headers: dict[str, str] | None = None) -> StreamResult:

@@ -18,7 +18,7 @@ import json
 import time
 from urllib.parse import quote
 
-from client.keepalive_http import KeepAliveConnection, server_sent_events
+from client.keepalive_http import KeepAliveClient, server_sent_events
 from client.stream import StreamResult
 
 
@@ -27,23 +27,13 @@ def _first(value):
     return value[0] if isinstance(value, list) and value else value
 
 
-class TritonHTTPStreamingClient:
+class TritonHTTPStreamingClient(KeepAliveClient):
     """One kept-alive connection to tritonserver's HTTP port (``url``: ``host:port``) for ``model``;
     one request at a time."""
 
     def __init__(self, url: str, model: str = "llm", timeout_s: float = 600.0):
-        self.connection = KeepAliveConnection(url, timeout_s)
+        super().__init__(url, timeout_s)
         self.path = f"/v2/models/{quote(model, safe='')}/generate_stream"
-
-    def close(self, cancel_requests: bool = False) -> None:
-        del cancel_requests  # closing the socket is how an HTTP client cancels
-        self.connection.close()
-
-    def __enter__(self) -> TritonHTTPStreamingClient:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def generate(self, prompt: str, on_response=None, **inputs) -> StreamResult:
         """Streams one request (``inputs``: the `llm` model's input names, README.md);
