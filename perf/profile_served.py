@@ -38,7 +38,7 @@ from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.progress import Progress
 from client.bench.prompts import PromptBuilder
 from client.bench.runner import run_workload
-from client.bench.triton_clients import TRITON_CLIENTS, run_triton_workload
+from client.bench.triton_clients import TRITON_CLIENTS, client_url, run_triton_workload
 from client.bench.workload import build_workload
 from perf.compare.cpu_meter import CLIENT_ROLE, CpuMeter, process_role
 from perf.idle_cpu import live_processes_in_group, wait_until_quiet
@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.0)  # the samplers attach
         cpu = CpuMeter(server.process.pid)
         with Progress("profile", len(items), 10.0) as progress:
-            completed, duration = run_triton_workload(server.grpc_url, "llm", items, pattern, args.triton_client,
+            completed, duration = run_triton_workload(client_url(server, args.triton_client), "llm", items, pattern,
+                                                      args.triton_client,
                                                       seed=args.seed, progress=progress)
         cpu.stop()
         stop_sampler(spy)
@@ -274,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         "client_py_spy": client_py_spy_summary(out / "client.py-spy.txt") if client_spy else None,
     }
     (out / "profile.json").write_text(json.dumps(document, indent=2, default=str), encoding="utf-8")
+    if not document["output_tokens"]:
+        errors = sorted({r.error for r in records if r.error})
+        print(f"error: no output tokens ({document['num_errors']} failed requests: {errors[:3]})", file=sys.stderr)
+        return 1
     text = report(document)
     (out / "profile.md").write_text(text + "\n", encoding="utf-8")
     print(text)
