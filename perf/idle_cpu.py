@@ -18,19 +18,15 @@ import sys
 import time
 from pathlib import Path
 
+from backend.proc_stat import read_proc_stat
 from backend.server.launcher import live_processes_in_group, start_server
 from perf.served import DEFAULT_MODEL_REPOSITORY
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def process_cpu_seconds(pid: int) -> float:
     """utime + stime of one process, in seconds (0 when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # fields 14, 15 of proc(5), after pid and comm
+    stat = read_proc_stat(pid)
+    return stat.cpu_seconds if stat is not None else 0.0
 
 
 def group_cpu_seconds(pgid: int) -> dict[int, float]:

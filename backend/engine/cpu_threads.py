@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from backend.proc_stat import CLOCK_TICKS, read_proc_stat
+
 logger = logging.getLogger(__name__)
 
 WINDOW_SECONDS = 0.5
@@ -50,7 +52,6 @@ BUSY_FRACTION = 0.75  # run time per second of the window and thread, for the wi
 MIN_HOLD_SECONDS = 2.0
 MAX_HOLD_SECONDS = 60.0
 YIELDING_NICE = 10  # nice levels below this process's at which a helper of its own yields it the CPU
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def process_schedstat(task_dir: str = "/proc/self/task") -> tuple[float, float]:
@@ -118,15 +119,12 @@ class YieldingHelpers:
     def __call__(self) -> float:
         seen = {}
         for pid in self._list_pids():
-            try:
-                with open(f"/proc/{pid}/stat") as handle:
-                    fields = handle.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):  # it ended
+            stat = read_proc_stat(pid)
+            if stat is None:  # it ended
                 continue
-            session, nice = int(fields[3]), int(fields[16])
-            if session != self._session or nice < self._nice + YIELDING_NICE:
+            if stat.session != self._session or stat.nice < self._nice + YIELDING_NICE:
                 continue
-            seen[pid] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+            seen[pid] = stat.cpu_seconds
             self.total += max(0.0, seen[pid] - self._seen.get(pid, 0.0))
         self._seen = seen
         return self.total

@@ -50,6 +50,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from backend.paths import REPO_ROOT
+from backend.proc_stat import read_proc_stat
 
 logger = logging.getLogger("backend.engine_core")
 
@@ -117,18 +118,12 @@ def on_stub_death(watch: StubWatch | None) -> bool:
     return True
 
 
-def _stat_fields(pid: int) -> list[bytes]:
-    """/proc/PID/stat from its third field (the state) on; raises OSError when there is none."""
-    with open(f"/proc/{pid}/stat", "rb") as handle:
-        return handle.read().rsplit(b")", 1)[1].split()
-
-
 def process_gone(pid: int) -> bool:
     """Gone, or a zombie (exited, not yet reaped by its parent)."""
-    try:
-        return _stat_fields(pid)[0] == b"Z"
-    except (OSError, IndexError):
+    stat = read_proc_stat(pid)
+    if stat is None:
         return not process_alive(pid)
+    return stat.zombie
 
 
 def kill_when_stuck(pid: int, seconds: float) -> int:
@@ -147,10 +142,8 @@ def kill_when_stuck(pid: int, seconds: float) -> int:
 def process_start_ticks(pid: int) -> int:
     """When ``pid`` started (clock ticks since boot; 0 when unreadable): with the pid it names one
     process, where a pid alone is reused by a later one."""
-    try:
-        return int(_stat_fields(pid)[19])  # field 22, starttime
-    except (OSError, IndexError, ValueError):
-        return 0
+    stat = read_proc_stat(pid)
+    return stat.start_ticks if stat is not None else 0
 
 
 def recovery_record_path(server_pid: int, model: str) -> str:

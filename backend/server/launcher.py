@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.paths import REPO_ROOT
+from backend.proc_stat import all_pids, read_proc_stat
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
@@ -145,19 +146,11 @@ def live_processes_in_group(pgid: int) -> list[int]:
 
     Zombies are left out: an orphaned stub is reparented to a PID 1 that may never reap it.
     """
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return []
     alive = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(entry.name))
+    for pid in all_pids():
+        stat = read_proc_stat(pid)
+        if stat is not None and stat.pgrp == pgid and not stat.zombie:
+            alive.append(pid)
     return alive
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.config import parameters_from_pbtxt
+from backend.proc_stat import all_pids, read_proc_stat
 from backend.server.launcher import DEFAULT_MODEL_REPOSITORY, answers_200, free_port, stop_process_group
 from backend.server.repository_copy import copy_repository
 
@@ -283,16 +284,11 @@ class Replicas:
         launcher = self.processes[index]
         if launcher is None:
             raise ReplicaError(f"replica {index} is not running")
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                name, fields = (entry / "stat").read_text().rsplit(")", 1)
-            except OSError:
-                continue
-            if name.endswith("(tritonserver") and int(fields.split()[1]) == launcher.pid:
-                os.killpg(int(entry.name), signal.SIGKILL)
-                return int(entry.name)
+        for pid in all_pids():
+            stat = read_proc_stat(pid)
+            if stat is not None and stat.comm == "tritonserver" and stat.ppid == launcher.pid:
+                os.killpg(pid, signal.SIGKILL)
+                return pid
         raise ReplicaError(f"replica {index} has no tritonserver running")
 
     def start(self, timeout: float = 300.0) -> Replicas:

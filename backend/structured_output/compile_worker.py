@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 
+from backend.proc_stat import read_proc_stat
 from backend.process_exit import describe_exit_code
 from backend.structured_output.spec import (
     StructuredOutputError,
@@ -43,7 +44,6 @@ STALL_FACTOR = 3  # a compile's wall time may be this many times its CPU timeout
 POLL_SECONDS = 0.05  # how often the worker's CPU time is read during a compile
 NICE = 10  # the worker yields the CPU to the engine's steps, and still gets some on a busy machine
 SHIP_BYTES = 256 * 1024  # a compiled grammar's JSON up to this size is sent back; a larger one is compiled again
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # The fork server imports these in order: first its lower priority, then the heavy imports.
 _PRELOAD = ["backend.structured_output.fork_server_priority", "xgrammar", "backend.structured_output.compile_worker"]
 
@@ -179,12 +179,8 @@ class CompileWorker:
 
 def _cpu_seconds(pid: int) -> float | None:
     """The process's CPU time (user + system) from /proc; None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    stat = read_proc_stat(pid)
+    return stat.cpu_seconds if stat is not None else None
 
 
 def _used_seconds(pid: int, cpu_start: float | None, started: float) -> float:

@@ -15,6 +15,7 @@ import re
 import time
 from pathlib import Path
 
+from backend.proc_stat import read_proc_stat
 from perf.idle_cpu import group_cpu_seconds
 
 CLIENT_ROLE = "client"
@@ -29,10 +30,8 @@ def _cmdline(pid: int) -> list[str]:
 
 
 def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+    stat = read_proc_stat(pid)
+    return stat.ppid if stat is not None else None
 
 
 def process_role(pid: int) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from backend.proc_stat import read_proc_stat
+
 
 def processes_whose_command_has(*markers: bytes, among: Iterable[int] | None = None) -> list[int]:
     """pids (of ``among``, else of every process) whose command line contains every marker.
@@ -19,11 +21,11 @@ def processes_whose_command_has(*markers: bytes, among: Iterable[int] | None = N
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as handle:
                 command = handle.read()
-            if all(marker in command for marker in markers):
-                with open(f"/proc/{pid}/stat") as handle:
-                    found[pid] = int(handle.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue
+        stat = read_proc_stat(pid) if all(marker in command for marker in markers) else None
+        if stat is not None:
+            found[pid] = stat.ppid
     return [pid for pid, parent in found.items() if parent not in found]
 
 
@@ -31,13 +33,14 @@ def describe_processes(pids: Iterable[int]) -> str:
     """One line per pid: its parent, state, nice value and command line (for an assertion's message)."""
     lines = []
     for pid in pids:
+        stat = read_proc_stat(pid)
         try:
-            with open(f"/proc/{pid}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{pid}/cmdline", "rb") as handle:
                 command = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (OSError, IndexError):
+        except OSError:
+            stat = None
+        if stat is None:
             lines.append(f"{pid}: gone")
             continue
-        lines.append(f"{pid}: parent {fields[1]}, state {fields[0]}, nice {fields[16]}: {command[:200]}")
+        lines.append(f"{pid}: parent {stat.ppid}, state {stat.state}, nice {stat.nice}: {command[:200]}")
     return "\n".join(lines)

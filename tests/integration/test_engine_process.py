@@ -22,6 +22,7 @@ import tritonclient.http as httpclient
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import SamplingParams
+from backend.proc_stat import read_proc_stat
 from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
@@ -171,7 +172,8 @@ def test_unload_reload_and_stop_leave_no_core_process(make_server):
     left = live_processes_in_group(server.process.pid)
     assert not left, describe_processes(left)
     for pid in (first, second):
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        stat = read_proc_stat(pid)
+        assert stat is None or stat.zombie
 
 
 def stub_pids(marker: str) -> list[int]:

@@ -26,6 +26,7 @@ from backend.engine_core.messages import AddRequest
 from backend.engine_core.process_client import ProcessClient
 from backend.engine_core.step_on_demand import CoreLost, ProcessTransport
 from backend.paths import REPO_ROOT
+from backend.proc_stat import read_proc_stat
 from backend.server.launcher import live_processes_in_group
 from tests.conftest import DEMO_REPOSITORY
 from tests.integration.processes import describe_processes
@@ -39,11 +40,8 @@ def engine(demo_model_dir):
 
 
 def process_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+    stat = read_proc_stat(pid)
+    return stat is not None and not stat.zombie
 
 
 def wait_gone(pid: int, timeout: float) -> bool:

@@ -12,7 +12,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from backend.engine.input_processor import EngineInputError
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import FinishReason, SamplingParams
 from backend.engine.tokenizer import load_tokenizer
+from backend.proc_stat import all_pids, read_proc_stat
 from backend.structured_output import compile_worker
 from backend.structured_output.budget import check_budget, schema_shape
 from backend.structured_output.compile_worker import (
@@ -49,11 +49,8 @@ def constrained(obj: dict, user: str = "", **params) -> SamplingParams:
 
 
 def process_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
+    stat = read_proc_stat(pid)
+    return stat is None or stat.zombie
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
@@ -341,9 +338,9 @@ def test_the_worker_and_its_fork_server_run_at_the_low_priority_and_the_engine_d
     """The fork server lowers its priority before its heavy imports (fork_server_priority.py), its
     workers keep that value (not lower still), and the process that started them keeps its own."""
     def nice(pid: int) -> int:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])  # field 19 of proc(5)
+        return read_proc_stat(pid).nice
 
-    fork_server = int(Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    fork_server = read_proc_stat(worker.pid).ppid
     assert nice(worker.pid) == compile_worker.NICE
     assert nice(fork_server) == compile_worker.NICE and fork_server != os.getpid()
     assert nice(os.getpid()) < compile_worker.NICE
@@ -407,15 +404,10 @@ def test_an_engine_whose_worker_cannot_start_serves_and_fails_only_constrained_r
 def descendants(pid: int) -> set[int]:
     """Every live process under ``pid`` (the engine core's fork server, its workers, ...)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    fields = handle.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                children.setdefault(int(fields[1]), []).append(int(entry))
+    for child in all_pids():
+        stat = read_proc_stat(child)
+        if stat is not None and not stat.zombie:
+            children.setdefault(stat.ppid, []).append(child)
     found, todo = set(), [pid]
     while todo:
         for child in children.get(todo.pop(), []):
