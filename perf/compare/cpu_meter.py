@@ -54,7 +54,8 @@ def process_role(pid: int) -> str:
     joined = " ".join(args)
     if "vllm.entrypoints" in joined:
         return "vllm api server"
-    comm = Path(f"/proc/{pid}/comm").read_text().strip() if Path(f"/proc/{pid}/comm").exists() else program
+    stat = read_proc_stat(pid)
+    comm = stat.comm if stat is not None else program
     if comm.lower().startswith("vllm::"):
         return "vllm engine core"
     return comm or program
