@@ -7,11 +7,11 @@ with the generation prompt, tokenized with add_special_tokens false; the OpenAI 
 and render routes ask for it). Triton's dynamic batcher groups concurrent requests; execute()
 encodes all texts and rendered chats of the batch with one ``encode_batch`` call per
 add_special_tokens value and decodes all id lists with one ``decode_batch`` call (the Rust
-tokenizer parallelises inside those calls). Text <-> ids needs the `tokenizers` library only
-(milliseconds to load), not transformers, so the model costs nothing next to the LLMs; its ids
-equal the engine's (both read the same tokenizer.json with its post-processor). Chats need
-transformers' tokenizer, loaded in the background (backend/triton/tokenizer_chat.py). A bad
-request gets an error naming the field, for that request only.
+tokenizer parallelises inside those calls). The tokenizer is the engine's: the class AutoTokenizer
+picks, loaded by backend.engine.tokenizer.load_tokenizer without torch; the batch calls go to the
+Rust tokenizer that class built (its pre-tokenizer, normalizer and post-processor), so the ids
+equal the engine's, and chats render on the same tokenizer (backend/triton/tokenizer_chat.py). A
+bad request gets an error naming the field, for that request only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from backend.engine.input_processor import EngineInputError
+from backend.engine.tokenizer import load_tokenizer as load_engine_tokenizer
 from backend.triton.helpers import input_getter, make_error, model_parameters, set_utf8_locale
 from backend.triton.inputs import GetInput, InputError, as_bool, parse_messages, scalar
 from backend.triton.tokenizer_chat import ChatRenderer
@@ -42,14 +43,12 @@ def tokenizer_folder(tokenizer_dir: str, base_dir: str) -> Path:
 
 
 def load_tokenizer(tokenizer_dir: str, base_dir: str):
-    """The fast tokenizer from ``tokenizer_dir/tokenizer.json`` (relative to the model folder)."""
-    from tokenizers import Tokenizer  # noqa: PLC0415
-
+    """``tokenizer_dir``'s tokenizer (relative to the model folder) as the engine loads it: a
+    transformers tokenizer whose ``backend_tokenizer`` the batch calls use."""
     folder = tokenizer_folder(tokenizer_dir, base_dir)
-    path = folder / "tokenizer.json"
-    if not path.is_file():
+    if not (folder / "tokenizer.json").is_file():
         raise ValueError(f"parameter 'tokenizer_dir': no tokenizer.json in {folder}")
-    return Tokenizer.from_file(str(path))
+    return load_engine_tokenizer(str(folder))
 
 
 def _flag(get_input: GetInput, name: str, default: bool) -> bool:
@@ -145,9 +144,10 @@ class TritonPythonModel:
         if unknown:
             raise ValueError(f"unknown parameter {unknown[0]!r} (known: {', '.join(PARAMETERS)})")
         tokenizer_dir = parameters.get("tokenizer_dir", ".")
-        self.tokenizer = load_tokenizer(tokenizer_dir, args["model_repository"])
+        tokenizer = load_tokenizer(tokenizer_dir, args["model_repository"])
+        self.tokenizer = tokenizer.backend_tokenizer
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        self.chats = ChatRenderer(str(tokenizer_folder(tokenizer_dir, args["model_repository"])))
+        self.chats = ChatRenderer(tokenizer)
 
     def execute(self, requests):
         getters = [input_getter(self.pb, request) for request in requests]

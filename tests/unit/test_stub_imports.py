@@ -78,7 +78,7 @@ SCRIPT = textwrap.dedent("""
     from backend.triton.tokenizer_model import load_tokenizer as load_fast_tokenizer
     for folder in tokenizer_dirs:
         load_tokenizer(folder)
-        load_fast_tokenizer(folder, "/")
+        load_fast_tokenizer(folder, "/").backend_tokenizer.encode("x")
     print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
 """)
 

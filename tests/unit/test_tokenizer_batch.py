@@ -22,7 +22,7 @@ from backend.triton.tokenizer_model import (
 
 @pytest.fixture(scope="module")
 def tokenizer(demo_model_dir):
-    return load_tokenizer(str(demo_model_dir), "/")
+    return load_tokenizer(str(demo_model_dir), "/").backend_tokenizer
 
 
 def getter(**inputs):
@@ -84,9 +84,10 @@ CHAT = [{"role": "system", "content": "Answer briefly."},
 
 
 def test_messages_get_the_ids_llm_computes_for_them(smollm2_dir):
-    fast = load_tokenizer(smollm2_dir, "/")
+    loaded = load_tokenizer(smollm2_dir, "/")
+    fast = loaded.backend_tokenizer
     answers = answer_batch([getter(messages=text(json.dumps(CHAT)))], fast, fast.get_vocab_size(True),
-                           ChatRenderer(smollm2_dir))
+                           ChatRenderer(loaded))
     llm_tokenizer = load_llm_tokenizer(smollm2_dir)
     inputs = InputProcessor(llm_tokenizer, len(llm_tokenizer), 8192)
     expected = inputs.tokenize(inputs.render_chat(parse_messages(json.dumps(CHAT))), add_special_tokens=False)
@@ -95,7 +96,8 @@ def test_messages_get_the_ids_llm_computes_for_them(smollm2_dir):
 
 
 def test_a_mixed_batch_is_answered_per_request_with_one_call_per_kind(smollm2_dir):
-    fast = load_tokenizer(smollm2_dir, "/")
+    loaded = load_tokenizer(smollm2_dir, "/")
+    fast = loaded.backend_tokenizer
     calls = []
 
     class Counting:
@@ -107,7 +109,7 @@ def test_a_mixed_batch_is_answered_per_request_with_one_call_per_kind(smollm2_di
             calls.append(("decode", skip_special_tokens, len(ids)))
             return fast.decode_batch(ids, skip_special_tokens=skip_special_tokens)
 
-    chats = ChatRenderer(smollm2_dir)
+    chats = ChatRenderer(loaded)
     hello = fast.encode("hello world").ids
     one_chat = [CHAT[-1]]
     getters = [getter(text_input=text("hello world")), getter(messages=text(json.dumps(CHAT))),
@@ -132,13 +134,11 @@ def test_a_mixed_batch_is_answered_per_request_with_one_call_per_kind(smollm2_di
 
 def test_messages_for_a_model_without_a_chat_template_error_alone(tokenizer, demo_model_dir):
     answers = answer_batch([getter(messages=text(json.dumps(CHAT))), getter(text_input=text("hello world"))],
-                           tokenizer, tokenizer.get_vocab_size(True), ChatRenderer(str(demo_model_dir)))
+                           tokenizer, tokenizer.get_vocab_size(True), ChatRenderer(load_llm_tokenizer(str(demo_model_dir))))
     assert isinstance(answers[0], TokenizerError) and str(answers[0]).startswith("messages: this model has no chat template")
     assert answers[1] == ("encode", tokenizer.encode("hello world").ids)
 
 
-def test_a_chat_tokenizer_that_did_not_load_errors_messages_only(tokenizer, tmp_path):
-    answers = answer_batch([getter(messages=text(json.dumps(CHAT))), getter(input_ids=np.array([[5, 6]]))],
-                           tokenizer, tokenizer.get_vocab_size(True), ChatRenderer(str(tmp_path / "missing")))
-    assert str(answers[0]).startswith("messages: the chat tokenizer did not load")
-    assert answers[1] == ("decode", tokenizer.decode([5, 6]), 2)
+def test_a_folder_without_tokenizer_json_fails_the_load_naming_the_parameter(tmp_path):
+    with pytest.raises(ValueError, match="parameter 'tokenizer_dir': no tokenizer.json"):
+        load_tokenizer(str(tmp_path / "missing"), "/")
