@@ -13,6 +13,15 @@ the OS page cache when they are still in it (say so with the numbers: ``--drop-c
 empty it first, which needs root).
 
     python -m perf.kv_offload [--prefix-tokens 2000] [--trials 5]
+
+``--served`` asks the same question of a running tritonserver, the way issue 56 found the disk
+tier's restore regressed: the served `llm` model with the disk tier (policy as given, the token
+budget of its config.pbtxt), a pool that holds one prompt of ``--prefix-tokens`` but not two, one
+request at a time with max_tokens 1: a new prompt P (computed), three other prompts of that length
+that evict it (spilled to disk), then P again (restored or recomputed, as the cost rule decides),
+per trial; time to the answer, client side, and the restored and recomputed block counters.
+
+    python -m perf.kv_offload --served [--prefix-tokens 1400] [--trials 5]
 """
 
 from __future__ import annotations
@@ -25,13 +34,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+
+import numpy as np
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
+from client.bench.prompts import PromptBuilder
 from client.bench.workload import SharedPrefix
+from client.stream import StreamingClient
 from perf import engine_driver
-from perf.served import RESULTS_DIR, write_report
+from perf.served import RESULTS_DIR, tritonserver, write_report
 
 SYSTEMS = ("recompute", "disk tier", "host tier")
 TIERS = {"recompute": "none", "disk tier": "disk", "host tier": "host"}
@@ -65,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--policy", default="auto", choices=("auto", "always"))
     parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each disk load (root)")
+    parser.add_argument("--served", action="store_true", help="through tritonserver (see the docstring)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
+    if args.served:
+        return served_main(args, argv)
     block_size = 16
     num_blocks = (args.prefix_tokens + 600) // block_size  # the prefix and one filler: a filler evicts it
     work = Path(tempfile.mkdtemp(prefix="kv-offload-bench-"))
@@ -152,6 +169,77 @@ def main(argv: list[str] | None = None) -> int:
     write_report(out, "kv_offload", document, markdown)
     shutil.rmtree(work, ignore_errors=True)
     return 0 if same else 1
+
+
+def served_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The --served measurement (module docstring): per trial, P computed, then P restored."""
+    config = engine_config_from_model_folder(args.model_folder)
+    block_size = config.cache.block_size
+    num_blocks = (args.prefix_tokens * 3 // 2) // block_size  # one prompt fits, two do not
+    builder = PromptBuilder(config.model.tokenizer_dir or config.model.model_dir)
+    rng = np.random.default_rng(56)
+    work = Path(tempfile.mkdtemp(prefix="kv-offload-served-"))
+    overrides = {"num_kv_blocks": str(num_blocks), "kv_offload_tier": "disk", "kv_offload_dir": str(work / "tier"),
+                 "kv_offload_bytes": str(4 << 30), "kv_offload_load_policy": args.policy}
+    counters = ("llm_kv_offload_restored_blocks_total", "llm_kv_offload_recomputed_blocks_total")
+    rows, computed, restored_seconds = [], [], []
+    print(f"{Path(config.model.model_dir).name}, pool {num_blocks} blocks of {block_size}, prompts of "
+          f"{args.prefix_tokens} tokens, budget {config.scheduler.max_num_batched_tokens}", flush=True)
+    with tritonserver(Path(args.model_folder).parent, overrides, model=Path(args.model_folder).name) as server, \
+            StreamingClient(server.grpc_url, "llm") as client:
+        def seconds(prompt: str) -> float:
+            start = time.perf_counter()
+            result = client.generate(prompt, max_tokens=1, timeout=300)
+            if result.error is not None:
+                raise RuntimeError(result.error)
+            return time.perf_counter() - start
+
+        seconds(builder.prompt(16, rng))
+        for trial in range(args.trials):
+            asked = builder.prompt(args.prefix_tokens, rng)
+            computed.append(seconds(asked))
+            for _ in range(3):
+                seconds(builder.prompt(args.prefix_tokens, rng))
+            before = counter_values(server.metrics_url, counters)
+            restored_seconds.append(seconds(asked))
+            restored, recomputed = (b - a for a, b in zip(before, counter_values(server.metrics_url, counters),
+                                                          strict=True))
+            rows.append(f"| {trial + 1} | {computed[-1] * 1000:.0f} | {restored_seconds[-1] * 1000:.0f} | "
+                        f"{computed[-1] / restored_seconds[-1]:.1f}x | {restored:.0f} | {recomputed:.0f} |")
+            print(rows[-1], flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    ratio = statistics.median(computed) / statistics.median(restored_seconds)
+    markdown = "\n".join([
+        f"KV offload through tritonserver: P computed, evicted to the disk tier by 3 prompts, asked again "
+        f"({Path(config.model.model_dir).name}, {config.model.dtype}, {args.prefix_tokens}-token prompts, policy "
+        f"{args.policy}, pool {num_blocks} blocks, budget {config.scheduler.max_num_batched_tokens})",
+        "",
+        "| trial | computed ms | again ms | ratio | blocks restored | blocks recomputed |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        f"medians: computed {statistics.median(computed) * 1000:.0f} ms, again "
+        f"{statistics.median(restored_seconds) * 1000:.0f} ms: {ratio:.1f}x",
+        f"command: python -m perf.kv_offload {' '.join(sys.argv[1:] if argv is None else argv)}",
+    ])
+    out = Path(args.out_dir) if args.out_dir else (
+        RESULTS_DIR / "kv_offload_served" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    write_report(out, "kv_offload_served", {"computed_seconds": computed, "again_seconds": restored_seconds,
+                                            "ratio_of_medians": ratio, "prefix_tokens": args.prefix_tokens,
+                                            "num_blocks": num_blocks, "policy": args.policy}, markdown)
+    return 0
+
+
+def counter_values(metrics_url: str, names: tuple[str, ...]) -> list[float]:
+    """The `llm` model's values of these counters on Triton's metrics endpoint."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.partition("{")[0]
+        if name in values and 'model="llm"' in line:
+            values[name] = float(line.rpartition(" ")[2])
+    return list(values.values())
 
 
 if __name__ == "__main__":

@@ -362,7 +362,7 @@ class Scheduler:
                 stepped_over.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            restored = kv.find_external(request, computed_blocks)
+            restored = kv.find_external(request, computed_blocks, batch_running=bool(self.running))
             if restored is None:
                 stepped_over.append(self.waiting.popleft())
                 continue

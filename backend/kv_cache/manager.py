@@ -150,11 +150,13 @@ class KVCacheManager:
         return blocks, num_hit_tokens
 
     # ----- blocks from elsewhere: the offload tier, a prefill engine -------------------------------
-    def find_external(self, request: Request, computed_blocks: Sequence[KVCacheBlock]) -> list[StoredBlock] | None:
+    def find_external(self, request: Request, computed_blocks: Sequence[KVCacheBlock],
+                      batch_running: bool) -> list[StoredBlock] | None:
         """The blocks that continue ``request``'s pool hit ``computed_blocks`` from outside the pool: a
         prefill engine's (a ``do_remote_prefill`` request on a decode engine, pulled once) or the
-        offload tier's. [] when there are none (or recomputing them is cheaper), None while they are
-        being loaded (the request waits in the queue; ask again next step), else the loaded blocks,
+        offload tier's. [] when there are none (or recomputing them is cheaper: ``batch_running``
+        says whether other requests' steps would run while they load), None while they are being
+        loaded (the request waits in the queue; ask again next step), else the loaded blocks,
         verified against the request's tokens, for ``allocate_slots`` to make room for and
         ``place_restored`` to write.
         """
@@ -190,7 +192,7 @@ class KVCacheManager:
         stats = offloader.stats
         stats.hit_blocks += found
         stats.miss_blocks += len(wanted) - found
-        if not offloader.worth_loading(found):
+        if not offloader.worth_loading(found, batch_running):
             stats.recomputed_blocks += found
             self._restores[request_id] = None
             return []

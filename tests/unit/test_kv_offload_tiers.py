@@ -193,13 +193,37 @@ def test_the_cost_rule_recomputes_short_prefixes_and_loads_long_ones():
     offloader = KVOffloader(HostMemoryTier(1 << 30), PagedBlockIO(paged_cache()), block_size=16)
     offloader.read_bytes_per_second, offloader.step_seconds = 1e9, 0.02
     offloader.prefill_tokens_per_second = 2000.0
-    assert not offloader.worth_loading(0)
-    assert not offloader.worth_loading(1)  # 16 tokens: 8 ms to recompute, a step's wait to load
-    assert offloader.worth_loading(100)  # 1,600 tokens: 0.8 s to recompute
+    assert not offloader.worth_loading(0, batch_running=True)
+    assert not offloader.worth_loading(1, batch_running=True)  # 16 tokens: 8 ms to recompute, a step's wait to load
+    assert offloader.worth_loading(1, batch_running=False)  # alone in the engine: the read, 0.4 ms, only
+    assert offloader.worth_loading(100, batch_running=True)  # 1,600 tokens: 0.8 s to recompute
     offloader.observe_step(num_tokens=5000, num_prefill_tokens=5000, seconds=0.01)  # a very fast prefill
     for _ in range(30):
         offloader.observe_step(5000, 5000, 0.01)
-    assert not offloader.worth_loading(100)  # recomputing is cheaper now
+    assert not offloader.worth_loading(100, batch_running=True)  # recomputing is cheaper than a step now
+    assert offloader.worth_loading(100, batch_running=False)  # but not than the read alone
+    offloader.read_bytes_per_second = 1e3  # a very slow read
+    assert not offloader.worth_loading(100, batch_running=False)
     offloader.policy = "always"
-    assert offloader.worth_loading(1)
+    assert offloader.worth_loading(1, batch_running=True)
+    offloader.close()
+
+
+def test_a_long_prompt_prefilled_in_one_step_is_still_worth_loading():
+    """Steps as long as one whole prefill (one ~1,400-token prompt per step, the default budget): the
+    wait for a step is not added to the read, so the load still wins, alone or beside a batch whose
+    steps are shorter than the prefill."""
+    offloader = KVOffloader(HostMemoryTier(1 << 30), PagedBlockIO(paged_cache()), block_size=16)
+    offloader.read_bytes_per_second = 300e6
+    for _ in range(30):
+        offloader.observe_step(num_tokens=1400, num_prefill_tokens=1400, seconds=1.0)
+    assert offloader.step_seconds == pytest.approx(1.0, abs=0.01)
+    bytes_per_block = offloader.block_io.bytes_per_block
+    num_blocks = 87  # a 1,400-token prompt: 1 s to recompute at the measured 1,400 tokens/s
+    assert num_blocks * bytes_per_block / offloader.read_bytes_per_second < 0.5
+    assert offloader.worth_loading(num_blocks, batch_running=False)
+    offloader.step_seconds = 0.3  # a running batch's decode steps
+    assert offloader.worth_loading(num_blocks, batch_running=True)
+    offloader.step_seconds = 1.2  # beside a batch whose steps outlast the prefill, recomputing wins
+    assert not offloader.worth_loading(num_blocks, batch_running=True)
     offloader.close()

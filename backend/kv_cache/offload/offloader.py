@@ -11,11 +11,16 @@ and ``load_async`` to read them on the reader thread while the request keeps its
 queue (the batch goes on without it). Loaded blocks are checked against the request's own tokens
 and parent hashes before they are used.
 
-The cost rule: loading ``b`` blocks takes ``b * bytes_per_block / read bandwidth`` plus one step
-spent waiting in the queue; recomputing them takes ``b * block_size / prefill rate``. Both rates
-are measured while serving (the loads this offloader did, and the engine's prefill steps) and
-start from conservative guesses, so short prefixes are recomputed. ``policy="always"`` loads
-whatever the tier holds (for tests and for measuring both paths).
+The cost rule: recomputing ``b`` blocks costs their prefill, ``b * block_size / prefill rate``,
+in the step the request would join now. Loading them costs the read, ``b * bytes_per_block /
+read bandwidth``, during which the request waits in the queue: alone in the engine it joins the
+first schedule after the read (the idle loop polls every few ms); beside a running batch it joins
+the first step boundary after it, one step of that batch at least, so ``max(read, step)``. Never
+read + a step: a step's duration follows its prefills, and with one long prompt prefilled per
+step it equals the recompute it is weighed against, which made every load lose. Both rates are
+measured while serving (the loads this offloader did, and the engine's prefill steps) and start
+from conservative guesses, so short prefixes are recomputed. ``policy="always"`` loads whatever
+the tier holds (for tests and for measuring both paths).
 """
 
 from __future__ import annotations
@@ -166,12 +171,15 @@ class KVOffloader:
             count += 1
         return count
 
-    def worth_loading(self, num_blocks: int) -> bool:
+    def worth_loading(self, num_blocks: int, batch_running: bool) -> bool:
+        """Whether loading ``num_blocks`` beats recomputing them (the module docstring's rule);
+        ``batch_running``: other requests are running, so the request waits for their steps."""
         if num_blocks <= 0:
             return False
         if self.policy == "always":
             return True
-        load = num_blocks * self.block_io.bytes_per_block / self.read_bytes_per_second + self.step_seconds
+        read = num_blocks * self.block_io.bytes_per_block / self.read_bytes_per_second
+        load = max(read, self.step_seconds) if batch_running else read
         recompute = num_blocks * self.block_size / self.prefill_tokens_per_second
         return load < recompute
 
