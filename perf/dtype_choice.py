@@ -29,9 +29,9 @@ MODELS = {  # name -> (model repository, model folder)
 
 
 def prompts(folder: Path, count: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
+    from backend.engine.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)  # as the engine loads it, from the model's folder
+    tokenizer = load_tokenizer(str(folder))  # as the engine loads it, from the model's folder
     corpus = (REPO_ROOT / "data" / "demo_corpus.txt").read_text(encoding="utf-8")
     texts = [corpus[i * 700 : i * 700 + 120 + 60 * (i % 5)] for i in range(count)]
     if tokenizer.chat_template:

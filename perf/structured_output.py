@@ -76,12 +76,13 @@ def server_compile_metrics(http_metrics_url: str) -> dict:
 def local_compile_times(tokenizer_dir: str) -> dict:
     """First and cached compile of every schema, in this process (the same GrammarCompiler the engine
     uses, on the model's vocabulary: ``tokenizer_dir`` is the model's folder)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
+    from backend.engine.tokenizer import load_tokenizer
     from backend.structured_output.compiler import GrammarCompiler
     from backend.structured_output.spec import parse_structured_outputs
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
     compiler = GrammarCompiler(tokenizer, AutoConfig.from_pretrained(tokenizer_dir).vocab_size, [tokenizer.eos_token_id])
     compiler.wait_started(120)  # compile times, not the worker's start
     first, cached = [], []

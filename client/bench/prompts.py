@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
+from backend.engine.tokenizer import load_tokenizer
 from backend.paths import REPO_ROOT
 
 DEFAULT_CORPUS = REPO_ROOT / "data" / "demo_corpus.txt"
@@ -29,13 +29,14 @@ class PromptError(ValueError):
 
 
 class PromptBuilder:
-    """Builds token-exact prompts from a tokenizer folder (tokenizer.json) and a text corpus."""
+    """Builds token-exact prompts from a tokenizer folder and a text corpus."""
 
     def __init__(self, tokenizer_dir: str | Path, corpus_path: str | Path | None = None):
         tokenizer_file = Path(tokenizer_dir) / "tokenizer.json"
         if not tokenizer_file.exists():
             raise PromptError(f"{tokenizer_file} not found (build the demo model with `make setup`)")
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        # The server's tokenizer (the class AutoTokenizer picks), through its Rust tokenizer's API.
+        self.tokenizer = load_tokenizer(str(tokenizer_dir)).backend_tokenizer
         self.tokenizer_dir = str(tokenizer_dir)
         self.num_special_tokens = len(self.tokenizer.encode("", add_special_tokens=True).ids)
         corpus = self._read_corpus(corpus_path)

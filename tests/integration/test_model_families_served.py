@@ -74,3 +74,36 @@ def test_a_family_streams_transformers_tokens_through_tritonserver(make_server, 
 def _stream(url: str, prompt: str):
     with StreamingClient(url) as client:
         return client.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, stream=True, timeout=300)
+
+
+TOKENIZER_PROMPTS = ["def f(x):\n    return", " ".join(str(i) for i in range(1, 14)),
+                     "Grüße aus München — 東京 café 2024", "<s>hello</s> world\n\tindented  twice"]
+
+
+def test_a_qwen2_folder_is_tokenized_as_transformers_does_and_streams_its_greedy_tokens(make_server, demo_model_dir,
+                                                                                    tmp_path):
+    """A Qwen2-shaped checkpoint holding the demo tokenizer's files (tokenizer_config naming
+    TokenizersBackend): transformers tokenizes it with Qwen2Tokenizer (digits and indentation split
+    its own way); the server must too, so its greedy stream equals transformers' from the first token."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "qwen2"
+    model = build_random_model("qwen2_tied", folder, vocab_size=8192)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_dir / name, folder / name)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert type(tokenizer).__name__ == "Qwen2Tokenizer"
+    server = make_server({"model_dir": str(folder), "tokenizer_dir": str(folder), "dtype": "float32",
+                          "max_model_len": "512"})
+    near_ties = 0
+    for prompt in TOKENIZER_PROMPTS:
+        result = _stream(server.grpc_url, prompt)
+        assert result.error is None and result.num_final == 1, (prompt, result.error)
+        expected, gaps = transformers_greedy(model, tokenizer(prompt)["input_ids"])
+        if result.token_ids != expected:
+            step = next(i for i, (a, b) in enumerate(zip(result.token_ids, expected, strict=False)) if a != b)
+            assert gaps[step] < NEAR_TIE, (prompt, step, result.token_ids, expected, gaps[step])
+            near_ties += 1
+    assert near_ties <= 1
