@@ -105,7 +105,7 @@ def auto_tokenizer_class(folder: str) -> str | None:
 
 def load_tokenizer(folder: str):
     """The folder's tokenizer, as AutoTokenizer would load it (the same class, so the same ids)."""
-    import transformers  # noqa: PLC0415 (optional on the tokenizer-only path until a folder is loaded)
+    import transformers  # noqa: PLC0415 (a second to import: only where a tokenizer is loaded)
 
     name = auto_tokenizer_class(folder)
     if name is None:
