@@ -9,7 +9,7 @@ import os
 import pytest
 
 from perf.cpu_contention import check_policies, policy_environment, policy_overrides, round_order, table
-from perf.runtime_settings import setup_environment
+from perf.runtime_settings import ALLOCATORS, setup_environment
 
 
 def run(tok_s: float, stream_s: float, cpu_ms: float) -> dict:
@@ -29,11 +29,19 @@ def test_the_table_has_one_row_per_policy_and_condition_with_medians():
     assert len(rows) == 6
 
 
-def test_the_passive_setup_sets_the_wait_policy_that_the_default_setup_leaves_alone(monkeypatch):
+def test_the_passive_setup_sets_the_wait_policy_that_the_default_setup_leaves_alone(monkeypatch, tmp_path):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert setup_environment("passive")["OMP_WAIT_POLICY"] == "PASSIVE"
     assert setup_environment("spin1k")["GOMP_SPINCOUNT"] == "1000"
-    assert setup_environment("tcmalloc+passive") in (None, {**setup_environment("tcmalloc"), "OMP_WAIT_POLICY": "PASSIVE"})
+    # The allocator's library stands in a file of the test's own, so the preload path runs on every
+    # machine (a fresh CI machine has no tcmalloc), and a missing library makes the setup None.
+    library = tmp_path / "libtcmalloc_minimal.so.4"
+    library.write_bytes(b"")
+    monkeypatch.setitem(ALLOCATORS, "tcmalloc", (str(library),))
+    assert setup_environment("tcmalloc+passive") == {**setup_environment("tcmalloc"), "OMP_WAIT_POLICY": "PASSIVE"}
+    assert setup_environment("tcmalloc")["LD_PRELOAD"] == str(library)
+    monkeypatch.setitem(ALLOCATORS, "tcmalloc", (str(tmp_path / "missing.so"),))
+    assert setup_environment("tcmalloc+passive") is None
     assert "OMP_WAIT_POLICY" not in setup_environment("default")
     assert "OMP_WAIT_POLICY" not in os.environ
 
