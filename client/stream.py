@@ -65,7 +65,7 @@ RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_log
 
 
 def build_inputs(prompt: str | None, **options) -> list[grpcclient.InferInput]:
-    """The `llm` model's input tensors; options use the `llm` model's input names (README.md) (None: not sent).
+    """The `llm` model's input tensors; options use the `llm` model's input names (docs/llm-model.md) (None: not sent).
 
     ``prompt`` None sends no text_input (pass ``messages``: a list of {role, content}, or its JSON).
     """

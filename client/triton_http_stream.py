@@ -36,7 +36,7 @@ class TritonHTTPStreamingClient(KeepAliveClient):
         self.path = f"/v2/models/{quote(model, safe='')}/generate_stream"
 
     def generate(self, prompt: str, on_response=None, **inputs) -> StreamResult:
-        """Streams one request (``inputs``: the `llm` model's input names, README.md);
+        """Streams one request (``inputs``: the `llm` model's input names, docs/llm-model.md);
         ``on_response(None, result)`` runs after each response that carried tokens."""
         fields = {"text_input": prompt}
         for name, value in inputs.items():

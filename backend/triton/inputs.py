@@ -170,7 +170,7 @@ def parse_request(
     check: Callable[[SamplingParams], None],
     max_prompt_bytes: int | None = None,
 ) -> ParsedRequest:
-    """Reads the input tensors of one request (README.md, "The `llm` model's tensors"); raises InputError naming the bad field.
+    """Reads the input tensors of one request (docs/llm-model.md, "The `llm` model's tensors"); raises InputError naming the bad field.
 
     The values are read here; whether they are valid is the engine's one check
     (``LLMEngine.check_sampling_params``, passed as ``check``), whose message becomes the

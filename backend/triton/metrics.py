@@ -1,6 +1,6 @@
 """Prometheus metrics on Triton's own /metrics endpoint, through pb_utils.MetricFamily.
 
-Names and definitions follow README.md's "Metrics" table (vLLM's metrics design): TTFT = submission to
+Names and definitions follow the guide's metrics table (docs/metrics.md) (vLLM's metrics design): TTFT = submission to
 the first token sent; ITL = gap between tokens sent; TPOT = (e2e - TTFT) / (output tokens - 1).
 Every family object is kept referenced for the model's lifetime: a dropped family makes later
 calls fail.
