@@ -49,7 +49,7 @@ def agreement(folder: Path, repository: Path, dtype: str, count: int, max_tokens
 
     from backend.config import engine_config_from_model_folder
     from backend.engine.llm_engine import LLMEngine
-    from backend.engine.request import SamplingParams
+    from backend.protocol.sampling import SamplingParams
 
     ids = prompts(folder, count)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()

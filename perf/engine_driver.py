@@ -25,9 +25,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from backend.engine.outputs import RequestOutput, StepOutput
-from backend.engine.request import SamplingParams
+from backend.engine.outputs import StepOutput
 from backend.paths import REPO_ROOT
+from backend.protocol.outputs import RequestOutput
+from backend.protocol.sampling import SamplingParams
 from client.bench.arrivals import ArrivalPattern, send_offsets
 from client.bench.lengths import parse_length
 from client.bench.progress import Progress

@@ -35,9 +35,9 @@ import torch
 
 from backend.config import EngineConfig, engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.models.loader import resolve_dtype
 from backend.paths import REPO_ROOT
+from backend.protocol.sampling import SamplingParams
 from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.report import write_json
 from client.bench.stats import summarize_ms

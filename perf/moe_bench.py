@@ -39,8 +39,8 @@ import torch
 
 from backend.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.paths import REPO_ROOT
+from backend.protocol.sampling import SamplingParams
 from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.report import write_json
 from perf.compare.repository import repository_with_overrides

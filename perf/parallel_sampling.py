@@ -24,7 +24,7 @@ from pathlib import Path
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from perf import engine_driver
 from perf.served import RESULTS_DIR, write_report
 

@@ -38,8 +38,8 @@ from pathlib import Path
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.paths import REPO_ROOT
+from backend.protocol.sampling import SamplingParams
 from backend.spec_decode.truncated_draft import build as build_draft
 from client.bench.arrivals import ArrivalPattern
 from client.bench.report import MISSING_MATPLOTLIB, save_figure

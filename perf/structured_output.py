@@ -79,8 +79,8 @@ def local_compile_times(tokenizer_dir: str) -> dict:
     from transformers import AutoConfig
 
     from backend.engine.tokenizer import load_tokenizer
+    from backend.protocol.structured_output import parse_structured_outputs
     from backend.structured_output.compiler import GrammarCompiler
-    from backend.structured_output.spec import parse_structured_outputs
 
     tokenizer = load_tokenizer(tokenizer_dir)
     compiler = GrammarCompiler(tokenizer, AutoConfig.from_pretrained(tokenizer_dir).vocab_size, [tokenizer.eos_token_id])

@@ -26,10 +26,10 @@ from unittest import mock
 
 from backend.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.models.demo_model import DEFAULT_OUT as DEMO_DIR
 from backend.models.demo_model import build as build_demo
 from backend.paths import REPO_ROOT
+from backend.protocol.sampling import SamplingParams
 from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.report import write_json
 

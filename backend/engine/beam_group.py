@@ -19,7 +19,8 @@ import torch
 from backend.engine.beam_search import BeamSearch
 
 if TYPE_CHECKING:
-    from backend.engine.request import Request, SamplingParams
+    from backend.engine.request import Request
+    from backend.protocol.sampling import SamplingParams
 
 
 def beam_request_id(request_id: str, number: int) -> str:

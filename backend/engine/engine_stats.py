@@ -1,10 +1,10 @@
 """The engine's statistics after a step, gathered from the scheduler, the KV cache and the optional
 pieces (grammars, the offload tier, speculation): what Triton's metrics and the engine-core
-messages carry (backend/engine/outputs.py: EngineStats)."""
+messages carry (backend/protocol/outputs.py: EngineStats)."""
 
 from __future__ import annotations
 
-from backend.engine.outputs import EngineStats
+from backend.protocol.outputs import EngineStats
 
 
 def collect_engine_stats(engine) -> EngineStats:

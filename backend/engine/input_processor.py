@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from backend.config import KVTransferConfig, StructuredOutputConfig
-from backend.engine.request import SamplingParams, SamplingParamsError
-from backend.kv_transfer.params import KVTransferParamsError, check_against
 from backend.lora.registry import AdapterRegistry, LoRAConfigError
+from backend.protocol.kv_transfer import KVTransferParamsError, check_against
+from backend.protocol.sampling import SamplingParams, SamplingParamsError
+from backend.protocol.structured_output import StructuredOutputError, check_spec
 from backend.structured_output.budget import check_budget
-from backend.structured_output.spec import StructuredOutputError, check_spec
 
 CHECKED_CONSTRAINTS = 256  # constraints remembered as valid, so a repeated schema is checked once
 

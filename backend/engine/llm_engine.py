@@ -33,8 +33,8 @@ from backend.engine.engine_stats import collect_engine_stats
 from backend.engine.input_processor import EngineInputError, InputProcessor
 from backend.engine.model_runner import ModelRunner
 from backend.engine.output_processor import OutputProcessor, collect_prompt_logprobs, internal_error_message
-from backend.engine.outputs import EngineStats, GenerationResult, RequestOutput, StepOutput, StepStats
-from backend.engine.request import Request, SamplingParams
+from backend.engine.outputs import StepOutput, StepStats
+from backend.engine.request import Request
 from backend.engine.sampler import Sampler
 from backend.engine.scheduler import Scheduler
 from backend.engine.step_clock import PhaseClock
@@ -44,8 +44,10 @@ from backend.kv_cache.manager import KVCacheManager
 from backend.kv_cache.offload.from_config import build_offloader
 from backend.kv_transfer.from_config import attach_kv_transfer
 from backend.parallel.driver import WorkerLost
+from backend.protocol.outputs import EngineStats, GenerationResult, RequestOutput
+from backend.protocol.sampling import SamplingParams
+from backend.protocol.structured_output import StructuredOutputError
 from backend.spec_decode.speculator import Speculator
-from backend.structured_output.spec import StructuredOutputError
 
 logger = logging.getLogger(__name__)
 

@@ -29,12 +29,13 @@ import torch
 
 from backend.engine.beam_group import BeamGroup, beam_request_id
 from backend.engine.detokenizer import IncrementalDetokenizer
-from backend.engine.outputs import RequestOutput, StepStats
-from backend.engine.request import FinishReason, Request, RequestStatus
+from backend.engine.outputs import StepStats
+from backend.engine.request import Request, RequestStatus
 from backend.engine.sampler import Sampler, SamplerOutput
 from backend.engine.scheduler import ScheduledRequest, Scheduler
 from backend.engine.sequence_group import SequenceGroup, sequence_request_id
 from backend.engine.step_clock import PhaseClock
+from backend.protocol.outputs import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
 

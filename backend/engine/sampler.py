@@ -44,8 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.request import Request, SamplingParams
+from backend.engine.request import Request
 from backend.engine.row_argmax import row_argmax
+from backend.protocol.sampling import SamplingParams
 
 
 @dataclass(slots=True)

@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 
 from backend.config import CacheConfig, SchedulerConfig
 from backend.engine.outputs import StepStats
-from backend.engine.request import FinishReason, Request, RequestStatus
+from backend.engine.request import Request, RequestStatus
 from backend.kv_cache.manager import KVCacheManager
 from backend.models.shape import ceil_div
+from backend.protocol.outputs import FinishReason
 
 
 @dataclass(slots=True)

@@ -17,9 +17,8 @@ import time
 from typing import TYPE_CHECKING
 
 from backend.engine.input_processor import EngineInputError
-from backend.engine.outputs import EngineStats, RequestOutput
-from backend.engine.request import FinishReason
-from backend.engine_core.messages import AddRequest
+from backend.protocol.messages import AddRequest
+from backend.protocol.outputs import EngineStats, FinishReason, RequestOutput
 
 if TYPE_CHECKING:  # the engine (and torch) is imported by whoever makes one: never by the stub
     from backend.engine.llm_engine import LLMEngine

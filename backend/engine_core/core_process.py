@@ -81,7 +81,7 @@ def serve(core, input_socket, output_socket, autostep: bool) -> None:
     """The loop (see the module docstring); returns after a shutdown message."""
     import zmq  # noqa: PLC0415
 
-    from backend.engine_core.messages import CoreOutputs, encoder, input_decoder  # noqa: PLC0415
+    from backend.protocol.messages import CoreOutputs, encoder, input_decoder  # noqa: PLC0415
 
     encode, decode = encoder().encode, input_decoder().decode
     poller = zmq.Poller()
@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
     watch_parent(spec["parent_pid"], spec.get("stub_watch"))
     import zmq  # noqa: PLC0415
 
-    from backend.engine_core.messages import CoreFailed, CoreReady, encoder  # noqa: PLC0415
+    from backend.protocol.messages import CoreFailed, CoreReady, encoder  # noqa: PLC0415
 
     context = zmq.Context()
     output_socket = context.socket(zmq.PUSH)
@@ -161,8 +161,8 @@ def main(argv: list[str]) -> int:
     logger.info("ready: %d torch threads, %d KV blocks", threads, engine.num_kv_blocks)
     output_socket.send(encoder().encode(CoreReady(os.getpid(), engine.vocab_size, engine.max_model_len,
                                                   engine.num_kv_blocks)))
-    from backend.engine_core.messages import EXIT_REASON_FILE  # noqa: PLC0415
     from backend.parallel.driver import WorkerLost  # noqa: PLC0415
+    from backend.protocol.messages import EXIT_REASON_FILE  # noqa: PLC0415
 
     try:
         serve(core, input_socket, output_socket, autostep=spec["autostep"])

@@ -42,10 +42,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from backend.config import EngineConfig
-from backend.engine.outputs import EngineStats, RequestOutput
 from backend.engine_core.admission import AdmissionControl
-from backend.engine_core.messages import AddRequest, CoreReady
 from backend.engine_core.stub_watch import StubWatch
+from backend.protocol.messages import AddRequest, CoreReady
+from backend.protocol.outputs import EngineStats, RequestOutput
 
 
 class EngineOutputs(NamedTuple):

@@ -17,7 +17,7 @@ from backend.engine.llm_engine import LLMEngine
 from backend.engine_core.admission import UNLOADING_MESSAGE
 from backend.engine_core.core import EngineCore
 from backend.engine_core.engine_client import EngineClient, engine_outputs
-from backend.engine_core.messages import AddRequest, CoreReady
+from backend.protocol.messages import AddRequest, CoreReady
 
 IDLE_TICK_SECONDS = 0.5  # an idle engine still iterates this often (as the core process's heartbeat)
 

@@ -27,7 +27,6 @@ from backend.config import EngineConfig
 from backend.engine_core.admission import UNLOADING_MESSAGE
 from backend.engine_core.core import error_output
 from backend.engine_core.engine_client import EngineClient, empty_stats, engine_outputs
-from backend.engine_core.messages import AddRequest, CoreInput, CoreOutputs, CoreReady
 from backend.engine_core.process_handle import (
     DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
     START_TIMEOUT_SECONDS,
@@ -37,6 +36,7 @@ from backend.engine_core.process_handle import (
     report_restart,
 )
 from backend.engine_core.stub_watch import StubWatch
+from backend.protocol.messages import AddRequest, CoreInput, CoreOutputs, CoreReady
 
 logger = logging.getLogger(__name__)
 

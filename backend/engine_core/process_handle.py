@@ -23,7 +23,10 @@ from collections.abc import Callable
 import zmq
 
 from backend.config import EngineConfig
-from backend.engine_core.messages import (
+from backend.engine_core.stub_watch import StubWatch
+from backend.paths import REPO_ROOT
+from backend.process_exit import describe_exit_code
+from backend.protocol.messages import (
     EXIT_REASON_FILE,
     CoreFailed,
     CoreInput,
@@ -31,9 +34,6 @@ from backend.engine_core.messages import (
     encoder,
     message_decoder,
 )
-from backend.engine_core.stub_watch import StubWatch
-from backend.paths import REPO_ROOT
-from backend.process_exit import describe_exit_code
 
 logger = logging.getLogger(__name__)
 

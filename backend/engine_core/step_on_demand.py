@@ -24,11 +24,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from backend.config import EngineConfig
-from backend.engine.outputs import EngineStats, RequestOutput
 from backend.engine_core.admission import UNLOADING_MESSAGE
 from backend.engine_core.core import EngineCore
 from backend.engine_core.engine_client import EngineClient, engine_outputs
-from backend.engine_core.messages import AddRequest, CoreInput, CoreOutputs, CoreReady
 from backend.engine_core.process_handle import (
     DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
     START_TIMEOUT_SECONDS,
@@ -37,6 +35,8 @@ from backend.engine_core.process_handle import (
     report_restart,
 )
 from backend.engine_core.stub_watch import StubWatch
+from backend.protocol.messages import AddRequest, CoreInput, CoreOutputs, CoreReady
+from backend.protocol.outputs import EngineStats, RequestOutput
 
 if TYPE_CHECKING:
     from backend.engine.llm_engine import LLMEngine

@@ -25,8 +25,8 @@ import torch
 import zmq
 
 from backend.kv_cache.offload.tier import StoredBlock
-from backend.kv_transfer.params import KVTransferParams
 from backend.kv_transfer.wire import DTYPES, PullHeader, PullRequest, header_decoder, request_encoder
+from backend.protocol.kv_transfer import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class KVPuller:
         return self._pool.submit(self._pull, params, first_block, expected)
 
     def engine_stats_fields(self) -> dict:
-        """This puller's part of EngineStats (backend/engine/outputs.py); pull times since the last call."""
+        """This puller's part of EngineStats (backend/protocol/outputs.py); pull times since the last call."""
         with self._lock:
             stats = self.stats
             seconds, stats.pull_seconds = stats.pull_seconds, []

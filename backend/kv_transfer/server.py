@@ -29,9 +29,10 @@ import msgspec
 import torch
 import zmq
 
-from backend.engine.request import FinishReason, Request
+from backend.engine.request import Request
 from backend.kv_cache.block_pool import KVCacheBlock
 from backend.kv_transfer.wire import DTYPE_NAMES, MAX_REQUEST_BYTES, PullHeader, request_decoder
+from backend.protocol.outputs import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ class KVTransferServer:
             return sum(len(pin.blocks) for pin in self._pins.values())
 
     def engine_stats_fields(self) -> dict:
-        """This server's part of EngineStats (backend/engine/outputs.py)."""
+        """This server's part of EngineStats (backend/protocol/outputs.py)."""
         stats = self.stats
         return {"kv_transfer_pinned_blocks": self.num_pinned_blocks, "kv_transfer_pinned_requests": stats.pinned_requests,
                 "kv_transfer_served_pulls": stats.served_pulls, "kv_transfer_sent_blocks": stats.sent_blocks,

@@ -25,10 +25,11 @@ import torch
 
 from backend.config import CacheConfig, ConfigError, EngineConfig
 from backend.engine.model_runner import ModelRunner
-from backend.engine.request import Request, SamplingParams
+from backend.engine.request import Request
 from backend.engine.row_argmax import row_argmax
 from backend.engine.sampler import Sampler
 from backend.kv_cache.manager import KVCacheManager
+from backend.protocol.sampling import SamplingParams
 from backend.spec_decode.verification import race
 
 logger = logging.getLogger(__name__)

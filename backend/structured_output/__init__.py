@@ -1,5 +1,5 @@
 """Structured output: constraining a request's tokens to a JSON schema, regex, choice or grammar (xgrammar)."""
 
-from backend.structured_output.spec import StructuredOutputError, StructuredOutputSpec, check_spec
+from backend.protocol.structured_output import StructuredOutputError, StructuredOutputSpec, check_spec
 
 __all__ = ["StructuredOutputError", "StructuredOutputSpec", "check_spec"]

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 from backend.config import StructuredOutputConfig
-from backend.structured_output.spec import StructuredOutputError, StructuredOutputSpec
+from backend.protocol.structured_output import StructuredOutputError, StructuredOutputSpec
 
 # Keywords whose value is one schema, a list of schemas, or a map of name -> schema. ``nests``: the
 # schema describes a value inside this one (an object's property, an array's item), one level deeper.

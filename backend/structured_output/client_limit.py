@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from backend.structured_output.spec import StructuredOutputError
+from backend.protocol.structured_output import StructuredOutputError
 
 
 class ClientCompileLimit:

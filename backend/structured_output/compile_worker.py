@@ -30,7 +30,7 @@ import time
 
 from backend.proc_stat import read_proc_stat
 from backend.process_exit import describe_exit_code
-from backend.structured_output.spec import (
+from backend.protocol.structured_output import (
     StructuredOutputError,
     StructuredOutputSpec,
     to_grammar,

@@ -29,6 +29,12 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from backend.config import StructuredOutputConfig
+from backend.protocol.structured_output import (
+    StructuredOutputError,
+    StructuredOutputSpec,
+    to_grammar,
+    xgrammar_message,
+)
 from backend.structured_output.compile_worker import (
     NICE,
     CompileInterrupted,
@@ -37,12 +43,6 @@ from backend.structured_output.compile_worker import (
     end_fork_server,
     end_resource_tracker,
     fork_server_ended,
-)
-from backend.structured_output.spec import (
-    StructuredOutputError,
-    StructuredOutputSpec,
-    to_grammar,
-    xgrammar_message,
 )
 
 logger = logging.getLogger(__name__)

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from backend.config import StructuredOutputConfig
+from backend.protocol.structured_output import StructuredOutputError, StructuredOutputSpec
 from backend.structured_output.budget import check_budget
 from backend.structured_output.client_limit import ClientCompileLimit
 from backend.structured_output.compiler import GrammarCompiler
-from backend.structured_output.spec import StructuredOutputError, StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
 

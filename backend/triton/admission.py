@@ -19,7 +19,7 @@ from collections.abc import Callable
 from backend.engine.input_processor import EngineInputError, InputProcessor
 from backend.engine_core.admission import BusyError
 from backend.engine_core.engine_client import EngineClient
-from backend.engine_core.messages import AddRequest
+from backend.protocol.messages import AddRequest
 from backend.triton.client_priority import DEFAULT_PRIORITY_RANGE, ClientPriorityRange
 from backend.triton.helpers import build_response, input_getter, requested_outputs, send_error
 from backend.triton.inputs import InputError, as_bool, parse_request, scalar

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from backend.config import ConfigError
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from backend.triton.inputs import InputError
 
 PRIORITY_LIMIT = 2**31  # priorities are 32-bit integers

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.engine.request import SamplingParams
-from backend.kv_transfer.params import KVTransferParamsError, parse_kv_transfer_params
-from backend.structured_output.spec import (
+from backend.protocol.kv_transfer import KVTransferParamsError, parse_kv_transfer_params
+from backend.protocol.sampling import SamplingParams
+from backend.protocol.structured_output import (
     LEGACY_KEYS,
     StructuredOutputError,
     parse_legacy_key,
@@ -333,7 +333,7 @@ def _parse_sampling_json(text: str, options: dict[str, object]) -> dict[str, obj
             values["lora_name"] = value or None
         elif key == "structured_outputs" or key in LEGACY_KEYS:
             _set_constraint(values, key, value, where)
-        elif key == "kv_transfer_params":  # disaggregated serving (backend/kv_transfer/params.py)
+        elif key == "kv_transfer_params":  # disaggregated serving (backend/protocol/kv_transfer.py)
             try:
                 values[key] = parse_kv_transfer_params(value, where)
             except KVTransferParamsError as exc:

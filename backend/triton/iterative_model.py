@@ -34,10 +34,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from backend.engine.outputs import RequestOutput
 from backend.engine_core.admission import UNLOADING_MESSAGE
 from backend.engine_core.engine_client import empty_stats
 from backend.engine_core.step_on_demand import CoreLost, StepOnDemandClient
+from backend.protocol.outputs import RequestOutput
 from backend.triton.admission import RequestAdmission
 from backend.triton.client_priority import DEFAULT_PRIORITY_RANGE, ClientPriorityRange
 from backend.triton.engine_model import EngineModel

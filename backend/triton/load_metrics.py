@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from backend.engine.outputs import EngineStats
+from backend.protocol.outputs import EngineStats
 
 REQUEST_TYPES = ("waiting", "scheduled", "active", "max")
 BLOCK_TYPES = ("max", "used", "free", "tokens_per", "fraction")

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from backend.engine.outputs import EngineStats, RequestOutput
-from backend.engine.request import FinishReason
+from backend.protocol.outputs import EngineStats, FinishReason, RequestOutput
 
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]

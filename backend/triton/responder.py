@@ -23,9 +23,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from backend.engine.outputs import RequestOutput
 from backend.engine_core.admission import UNLOADING_MESSAGE
 from backend.engine_core.engine_client import EngineClient, EngineOutputs
+from backend.protocol.outputs import RequestOutput
 from backend.triton.helpers import send_error
 from backend.triton.metrics import TritonMetrics
 from backend.triton.response_state import ResponseState

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.engine.outputs import RequestOutput
+from backend.protocol.outputs import RequestOutput
 from backend.triton.helpers import send_error
 from backend.triton.inputs import ReturnOptions
 from backend.triton.metrics import TritonMetrics, record_finish, record_tokens

@@ -31,8 +31,7 @@ import json
 
 import numpy as np
 
-from backend.engine.outputs import RequestOutput
-from backend.engine.request import FinishReason
+from backend.protocol.outputs import FinishReason, RequestOutput
 from backend.triton.helpers import build_response
 from backend.triton.inputs import ReturnOptions
 

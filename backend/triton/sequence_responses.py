@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from backend.engine.outputs import RequestOutput
+from backend.protocol.outputs import RequestOutput
 from backend.triton.return_outputs import delta_response, delta_text, finish_reason_text, logprob_entries
 from backend.triton.stream_interval import streams_now
 

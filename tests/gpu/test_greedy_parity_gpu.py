@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from backend.config import parse_engine_config
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 
 MAX_TOKENS = 24
 

@@ -11,7 +11,7 @@ import torch
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from tests.conftest import DEMO_REPOSITORY
 
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time " * 20, "1, 2, 3,"]

@@ -21,8 +21,8 @@ import tritonclient.http as httpclient
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.proc_stat import read_proc_stat
+from backend.protocol.sampling import SamplingParams
 from backend.server.launcher import live_processes_in_group
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY

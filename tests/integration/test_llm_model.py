@@ -13,7 +13,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from backend.config import engine_config_from_model_folder
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from client.stream import StreamingClient
 from perf.cpu_contention import start_busy_neighbor
 from tests.integration.conftest import MODEL_REPOSITORY

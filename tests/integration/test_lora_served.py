@@ -25,7 +25,7 @@ import tritonclient.grpc as grpcclient
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from backend.server.launcher import free_port
 from tests.integration.conftest import write_model_repository
 from tests.lora_adapters import ADAPTERS, make_adapters

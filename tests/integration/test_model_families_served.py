@@ -15,7 +15,7 @@ import torch
 
 from backend.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from client.stream import StreamingClient
 from tests.unit.random_models import build_random_model
 from tests.unit.test_model_families import NEAR_TIE

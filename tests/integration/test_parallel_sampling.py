@@ -13,7 +13,7 @@ import pytest
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
 from tests.integration.test_llm_model import metric, read_metrics

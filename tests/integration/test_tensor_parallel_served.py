@@ -9,7 +9,7 @@ import pytest
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from tests.conftest import DEMO_REPOSITORY
 from tests.integration.test_engine_process import mixed_jobs, pids_running, streamed, wait_for
 from tests.integration.test_reliability import run_streams

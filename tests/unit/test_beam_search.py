@@ -16,7 +16,7 @@ import torch
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams, SamplingParamsError
+from backend.protocol.sampling import SamplingParams, SamplingParamsError
 from tests.conftest import DEMO_REPOSITORY
 
 PROMPTS = [[1, 5, 9, 77, 300, 12], [1, *range(200, 237)], [1, 4000, 17]]

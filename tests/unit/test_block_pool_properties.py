@@ -10,9 +10,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from backend.engine.request import Request, SamplingParams
+from backend.engine.request import Request
 from backend.kv_cache.block_pool import BlockPool
 from backend.kv_cache.manager import KVCacheManager
+from backend.protocol.sampling import SamplingParams
 
 SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None)
 

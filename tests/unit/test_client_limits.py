@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from backend.config import ConfigError
-from backend.engine.request import SamplingParams
 from backend.engine_core.admission import AdmissionControl, BusyError
 from backend.engine_core.client_cap import ClientCap
+from backend.protocol.sampling import SamplingParams
 from backend.triton.client_priority import ClientPriorityRange, parse_client_priority_range
 from backend.triton.inputs import InputError
 
@@ -78,9 +78,9 @@ def test_cap_zero_counts_nothing_and_release_is_idempotent():
 
 def test_engine_client_releases_on_the_final_output():
     """Through a real engine client: the final output posted on the outbox frees the seat."""
-    from backend.engine.outputs import RequestOutput
     from backend.engine_core.engine_client import EngineClient, empty_stats, engine_outputs
-    from backend.engine_core.messages import AddRequest
+    from backend.protocol.messages import AddRequest
+    from backend.protocol.outputs import RequestOutput
 
     class Recording(EngineClient):
         def start(self): ...

@@ -10,11 +10,11 @@ import pytest
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.engine_core.admission import BusyError
 from backend.engine_core.in_thread import InThreadClient
-from backend.engine_core.messages import AddRequest
 from backend.engine_core.process_client import ProcessClient
+from backend.protocol.messages import AddRequest
+from backend.protocol.sampling import SamplingParams
 from backend.triton.drain import (
     UnloadWatcher,
     http_readiness_probe,

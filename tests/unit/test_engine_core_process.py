@@ -20,13 +20,13 @@ import pytest
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.engine_core.admission import BusyError
-from backend.engine_core.messages import AddRequest
 from backend.engine_core.process_client import ProcessClient
 from backend.engine_core.step_on_demand import CoreLost, ProcessTransport
 from backend.paths import REPO_ROOT
 from backend.proc_stat import read_proc_stat
+from backend.protocol.messages import AddRequest
+from backend.protocol.sampling import SamplingParams
 from backend.server.launcher import live_processes_in_group
 from tests.conftest import DEMO_REPOSITORY
 from tests.integration.processes import describe_processes

@@ -17,7 +17,7 @@ import torch
 
 from backend.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from tests.unit.random_models import get_random_model
 
 NUM_PROMPTS = 16

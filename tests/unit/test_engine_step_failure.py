@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import FinishReason, SamplingParams
+from backend.protocol.outputs import FinishReason
+from backend.protocol.sampling import SamplingParams
 from tests.conftest import DEMO_REPOSITORY
 
 

@@ -14,9 +14,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from backend.engine.request import Request, SamplingParams
+from backend.engine.request import Request
 from backend.kv_cache.manager import KVCacheManager
 from backend.kv_cache.offload.block_io import PagedBlockIO
+from backend.protocol.sampling import SamplingParams
 
 BLOCK = 4
 

@@ -11,9 +11,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from backend.engine.outputs import EngineStats, RequestOutput
-from backend.engine.request import FinishReason
 from backend.engine_core.step_on_demand import StepOnDemandClient
+from backend.protocol.outputs import EngineStats, FinishReason, RequestOutput
 from backend.triton.iterative_model import IterativeDriver
 
 FINAL, RESCHEDULE = 1, 2

@@ -2,10 +2,11 @@
 
 import pytest
 
-from backend.engine.request import Request, SamplingParams
+from backend.engine.request import Request
 from backend.kv_cache import manager as mgr
 from backend.kv_cache.block_pool import BlockHash
 from backend.kv_cache.manager import KVCacheManager
+from backend.protocol.sampling import SamplingParams
 
 BLOCK_SIZE = 4
 

@@ -20,7 +20,6 @@ import zmq
 
 from backend.config import ConfigError, engine_config_from_model_folder, parse_engine_config
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.kv_cache.block_pool import BlockPool, hash_block_tokens
 from backend.kv_cache.event_publisher import END_SEQUENCE, KVEventPublisher
 from backend.kv_cache.kv_events import (
@@ -33,6 +32,7 @@ from backend.kv_cache.kv_events import (
 )
 from backend.kv_cache.offload.tier import HostMemoryTier, StoredBlock
 from backend.models.demo_model import DEMO_REPOSITORY
+from backend.protocol.sampling import SamplingParams
 
 rng = random.Random(32)
 PREFIX = [rng.randrange(10, 8000) for _ in range(100)]  # 6 full blocks of 16

@@ -15,10 +15,10 @@ import pytest
 
 from backend.config import ConfigError, engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.kv_cache.block_pool import hash_block_tokens
 from backend.kv_cache.offload.disk_tier import file_name
 from backend.models.demo_model import DEMO_REPOSITORY
+from backend.protocol.sampling import SamplingParams
 
 rng = random.Random(19)
 PREFIX = [rng.randrange(10, 8000) for _ in range(200)]  # 12 full blocks of 16

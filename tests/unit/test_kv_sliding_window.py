@@ -6,9 +6,10 @@ blocks wholly before p - 5 go back to the pool (null entries in the table), exac
 
 import pytest
 
-from backend.engine.request import Request, SamplingParams
+from backend.engine.request import Request
 from backend.kv_cache.block_pool import NULL_BLOCK_ID
 from backend.kv_cache.manager import KVCacheManager
+from backend.protocol.sampling import SamplingParams
 
 BLOCK_SIZE = 4
 WINDOW = 6

@@ -21,10 +21,10 @@ import zmq
 from backend.config import ConfigError, engine_config_from_model_folder
 from backend.engine.input_processor import EngineInputError
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
-from backend.kv_transfer.params import KVTransferParamsError, parse_kv_transfer_params
 from backend.kv_transfer.wire import PullHeader, PullRequest
 from backend.models.demo_model import DEMO_REPOSITORY
+from backend.protocol.kv_transfer import KVTransferParamsError, parse_kv_transfer_params
+from backend.protocol.sampling import SamplingParams
 
 rng = random.Random(33)
 PREFIX = [rng.randrange(10, 8000) for _ in range(100)]

@@ -23,10 +23,10 @@ import torch
 from backend.config import ConfigError, engine_config_from_model_folder
 from backend.engine.input_processor import EngineInputError
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.lora.registry import LoRAConfigError, read_registry
 from backend.models.demo_model import DEMO_REPOSITORY
 from backend.paths import REPO_ROOT
+from backend.protocol.sampling import SamplingParams
 from tests.lora_adapters import ADAPTERS, make_adapters
 
 MAX_TOKENS = 10

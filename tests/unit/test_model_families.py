@@ -22,9 +22,9 @@ import torch
 
 from backend.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.models.family import ModelFamily, ModelLoadError
 from backend.models.loader import load_config
+from backend.protocol.sampling import SamplingParams
 from tests.unit.random_models import build_random_model, get_random_model, make_config
 
 NEAR_TIE = 1e-4

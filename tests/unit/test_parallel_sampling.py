@@ -13,9 +13,9 @@ import pytest
 from backend.config import engine_config_from_model_folder
 from backend.engine.input_processor import EngineInputError
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams, SamplingParamsError
 from backend.models.demo_model import DEMO_REPOSITORY
-from backend.structured_output.spec import parse_structured_outputs
+from backend.protocol.sampling import SamplingParams, SamplingParamsError
+from backend.protocol.structured_output import parse_structured_outputs
 
 PROMPT = list(range(300, 342))  # 42 tokens: 2 full blocks and a partial one of 10
 OTHERS = [list(range(500, 530)), list(range(700, 777))]

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from backend.config import CacheConfig, SchedulerConfig, engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import Request, SamplingParams
+from backend.engine.request import Request
 from backend.engine.scheduler import Scheduler
 from backend.kv_cache.manager import KVCacheManager
+from backend.protocol.sampling import SamplingParams
 from tests.conftest import DEMO_REPOSITORY
 
 

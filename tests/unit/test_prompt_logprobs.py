@@ -11,7 +11,7 @@ import torch
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams, SamplingParamsError
+from backend.protocol.sampling import SamplingParams, SamplingParamsError
 from tests.conftest import DEMO_REPOSITORY
 
 PROMPTS = [[1, *range(100, 300)], [1, 5, 6, 7, 8, 9], [1, *range(100, 180), 42, 43]]  # the third shares a prefix

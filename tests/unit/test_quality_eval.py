@@ -12,7 +12,7 @@ import pytest
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from perf.quality.qa_items import CODE, ITEMS, Item, build_items
 from perf.quality.scoring import accuracy, perplexity, reference_logprobs, regressions
 from perf.quality_eval import HELDOUT

@@ -15,8 +15,8 @@ import torch
 
 from backend.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.paths import REPO_ROOT
+from backend.protocol.sampling import SamplingParams
 
 NEAR_TIE = 1e-4
 MAX_TOKENS = 32

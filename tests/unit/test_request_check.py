@@ -10,7 +10,7 @@ import pytest
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import EngineInputError, LLMEngine
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from backend.triton.inputs import InputError, parse_request
 from tests.conftest import DEMO_REPOSITORY
 

@@ -13,9 +13,8 @@ from collections import defaultdict
 
 import pytest
 
-from backend.engine.outputs import RequestOutput
-from backend.engine.request import FinishReason
 from backend.engine_core.engine_client import EngineOutputs, empty_stats
+from backend.protocol.outputs import FinishReason, RequestOutput
 from backend.triton.inputs import InputError, parse_request
 from backend.triton.responder import ActiveRequest, Responder
 from backend.triton.response_state import ResponseState

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from backend.engine.outputs import RequestOutput
-from backend.engine.request import FinishReason
+from backend.protocol.outputs import FinishReason, RequestOutput
 from backend.triton.inputs import ReturnOptions
 from backend.triton.return_outputs import finish_reason_text, logprob_entries, token_counts
 

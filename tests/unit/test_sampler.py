@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from backend.engine.request import Request, SamplingParams
+from backend.engine.request import Request
 from backend.engine.sampler import Sampler, SamplerOutput
+from backend.protocol.sampling import SamplingParams
 
 VOCAB = 64
 

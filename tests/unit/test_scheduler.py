@@ -6,9 +6,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backend.config import CacheConfig, SchedulerConfig
-from backend.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Scheduler
 from backend.kv_cache.manager import KVCacheManager
+from backend.protocol.outputs import FinishReason
+from backend.protocol.sampling import SamplingParams
 
 FAKE_TOKEN = 7
 

@@ -20,8 +20,8 @@ import pytest
 
 from backend.config import ConfigError, engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.models.demo_model import DEMO_REPOSITORY
+from backend.protocol.sampling import SamplingParams
 from backend.spec_decode.truncated_draft import build as build_truncated_draft
 from tests.unit.random_models import get_random_model
 

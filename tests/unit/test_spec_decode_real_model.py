@@ -14,8 +14,8 @@ import pytest
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
 from backend.paths import REPO_ROOT
+from backend.protocol.sampling import SamplingParams
 from backend.spec_decode.truncated_draft import build as build_truncated_draft
 
 NEAR_TIE = 1e-4

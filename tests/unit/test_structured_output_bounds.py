@@ -19,9 +19,11 @@ import torch
 from backend.config import StructuredOutputConfig, engine_config_from_model_folder
 from backend.engine.input_processor import EngineInputError
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import FinishReason, SamplingParams
 from backend.engine.tokenizer import load_tokenizer
 from backend.proc_stat import all_pids, read_proc_stat
+from backend.protocol.outputs import FinishReason
+from backend.protocol.sampling import SamplingParams
+from backend.protocol.structured_output import StructuredOutputError, parse_structured_outputs
 from backend.structured_output import compile_worker
 from backend.structured_output.budget import check_budget, schema_shape
 from backend.structured_output.compile_worker import (
@@ -31,7 +33,6 @@ from backend.structured_output.compile_worker import (
     CompileWorkerError,
 )
 from backend.structured_output.compiler import GrammarCompiler
-from backend.structured_output.spec import StructuredOutputError, parse_structured_outputs
 from perf.hostile_schemas import slow_schema
 from tests.conftest import DEMO_REPOSITORY
 

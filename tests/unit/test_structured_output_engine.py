@@ -16,8 +16,9 @@ import pytest
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import FinishReason, SamplingParams
-from backend.structured_output.spec import StructuredOutputError, parse_structured_outputs
+from backend.protocol.outputs import FinishReason
+from backend.protocol.sampling import SamplingParams
+from backend.protocol.structured_output import StructuredOutputError, parse_structured_outputs
 from tests.conftest import DEMO_REPOSITORY
 
 PROMPTS = [[1, 10, 20, 30], [1, 7, 8, 9, 11], [1, 40, 41], [1, 300, 301, 302, 303, 304]]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from backend.structured_output.spec import JSON_OBJECT_SCHEMA, check_spec, parse_structured_outputs
+from backend.protocol.structured_output import JSON_OBJECT_SCHEMA, check_spec, parse_structured_outputs
 from tests.unit.test_request_inputs import InputError, parse
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -17,9 +17,10 @@ import pytest
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import FinishReason, SamplingParams
 from backend.paths import REPO_ROOT
-from backend.structured_output.spec import parse_structured_outputs
+from backend.protocol.outputs import FinishReason
+from backend.protocol.sampling import SamplingParams
+from backend.protocol.structured_output import parse_structured_outputs
 from tests.unit.structured_output_schemas import SCHEMAS
 
 pytestmark = pytest.mark.slow

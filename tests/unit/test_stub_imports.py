@@ -45,15 +45,16 @@ STUB_MODULES = (
     "backend.engine_core.step_on_demand",
     "backend.engine_core.process_handle",
     "backend.engine_core.stub_watch",
-    "backend.engine_core.messages",
     "backend.engine_core.core",
     "backend.engine.input_processor",
     "backend.engine.tokenizer",
-    "backend.engine.outputs",
-    "backend.engine.request",
     "backend.lora.registry",
-    "backend.kv_transfer.params",
     "backend.config",
+    "backend.protocol.sampling",
+    "backend.protocol.outputs",
+    "backend.protocol.messages",
+    "backend.protocol.structured_output",
+    "backend.protocol.kv_transfer",
 )
 # Imported inside functions of the modules above, and fine there: the stub's own module, and what
 # only the engine_process: false branch (the engine in this process) or the tokenizers load.

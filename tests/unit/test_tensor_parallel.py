@@ -34,13 +34,13 @@ from backend.config import (
     validate_engine_config,
 )
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
-from backend.engine_core.messages import AddRequest
 from backend.engine_core.process_client import ProcessClient
 from backend.kv_cache.manager import KVCacheManager
 from backend.models.family import ModelFamily
 from backend.models.shape import ModelShape
 from backend.parallel.shard import TensorShard, local_shape
+from backend.protocol.messages import AddRequest
+from backend.protocol.sampling import SamplingParams
 from tests.conftest import DEMO_REPOSITORY
 from tests.unit import test_model_families as families
 from tests.unit import test_real_model_parity as real

@@ -14,7 +14,7 @@ import torch
 
 from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.request import SamplingParams
+from backend.protocol.sampling import SamplingParams
 from tests.conftest import DEMO_REPOSITORY
 
 PROMPTS = [[1, *range(100, 160)], [1, 7, 8, 9], [1, *range(400, 437)]]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
-from backend.engine.outputs import EngineStats, RequestOutput
-from backend.engine.request import SamplingParams
+from backend.protocol.outputs import EngineStats, RequestOutput
+from backend.protocol.sampling import SamplingParams
 
 # A file in the core's folder where a core that ends itself says why (a tensor-parallel rank died);
 # the front end puts it in the error of every request it fails (process_handle.CoreProcess.describe_exit).

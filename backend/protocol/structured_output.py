@@ -9,7 +9,7 @@ into a ``StructuredOutputSpec``; ``check_spec`` proves it compiles before the re
 at once with the key named, and only the token-mask compilation (``compiler.py``) runs later, off
 the step.
 
-No xgrammar import at module level: ``backend.engine.request`` imports this file, and the engine must
+No xgrammar import at module level: ``backend.protocol.sampling`` imports this file, and every door must
 import without it.
 """
 
