@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from openai_front.app import ClientGone, _Generation, _merged
 from openai_front.errors import ApiError
+from openai_front.generation import ClientGone, Generation
+from openai_front.generation import merged as _merged  # the tests name their results merged
 from openai_front.triton_bridge import Piece
 
 
@@ -68,7 +69,7 @@ def test_an_error_in_one_generation_ends_all_of_them():
 def test_silence_from_triton_is_a_504_and_closes_the_generation():
     async def run(request):
         source = Source([piece(0, "late")], delay=5.0)
-        generation = _Generation(_merged([source.run()], 1), idle_timeout_s=0.2)
+        generation = Generation(_merged([source.run()], 1), idle_timeout_s=0.2)
         with pytest.raises(ApiError) as timed_out:
             await generation.next(request)
         await generation.close()
@@ -81,7 +82,7 @@ def test_silence_from_triton_is_a_504_and_closes_the_generation():
 def test_a_client_gone_before_the_first_token_cancels_the_generation():
     async def run():
         source = Source([piece(0, "never")], delay=5.0)
-        generation = _Generation(_merged([source.run()], 1), idle_timeout_s=60)
+        generation = Generation(_merged([source.run()], 1), idle_timeout_s=60)
         request = Disconnecting(after_polls=2)
         with pytest.raises(ClientGone):
             await generation.next(request)
@@ -93,11 +94,11 @@ def test_a_client_gone_before_the_first_token_cancels_the_generation():
 
 
 def test_a_stream_silent_across_a_model_reload_ends_with_a_503(monkeypatch):
-    import openai_front.app as app_module
+    import openai_front.generation as generation_module
     import openai_front.orphan_watch as orphan_module
     from openai_front.orphan_watch import OrphanWatch
 
-    monkeypatch.setattr(app_module, "ORPHAN_CHECK_SECONDS", 0.05)
+    monkeypatch.setattr(generation_module, "ORPHAN_CHECK_SECONDS", 0.05)
     monkeypatch.setattr(orphan_module, "ORPHAN_CHECK_SECONDS", 0.05)
     states = iter([True, False, False, True])
 
@@ -106,7 +107,7 @@ def test_a_stream_silent_across_a_model_reload_ends_with_a_503(monkeypatch):
 
     async def run():
         source = Source([piece(0, "never")], delay=30.0)
-        generation = _Generation(_merged([source.run()], 1), idle_timeout_s=20.0, orphans=OrphanWatch(ready))
+        generation = Generation(_merged([source.run()], 1), idle_timeout_s=20.0, orphans=OrphanWatch(ready))
         started = asyncio.get_running_loop().time()
         with pytest.raises(ApiError) as orphaned:
             await generation.next()
@@ -119,11 +120,11 @@ def test_a_stream_silent_across_a_model_reload_ends_with_a_503(monkeypatch):
 
 
 def test_a_stream_that_keeps_talking_through_an_unready_model_is_left_alone(monkeypatch):
-    import openai_front.app as app_module
+    import openai_front.generation as generation_module
     import openai_front.orphan_watch as orphan_module
     from openai_front.orphan_watch import OrphanWatch
 
-    monkeypatch.setattr(app_module, "ORPHAN_CHECK_SECONDS", 0.06)
+    monkeypatch.setattr(generation_module, "ORPHAN_CHECK_SECONDS", 0.06)
     monkeypatch.setattr(orphan_module, "ORPHAN_CHECK_SECONDS", 0.06)
     flips = iter([False, True] * 100)
 
@@ -132,7 +133,7 @@ def test_a_stream_that_keeps_talking_through_an_unready_model_is_left_alone(monk
 
     async def run():
         source = Source([piece(0, str(i)) for i in range(6)], delay=0.1)
-        generation = _Generation(_merged([source.run()], 1), idle_timeout_s=5.0, orphans=OrphanWatch(ready))
+        generation = Generation(_merged([source.run()], 1), idle_timeout_s=5.0, orphans=OrphanWatch(ready))
         texts = []
         while (item := await generation.next()) is not None:
             texts.append(item[1].text)

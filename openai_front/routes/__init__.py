@@ -1,0 +1,1 @@
+"""The OpenAI front's routes, one APIRouter per endpoint family."""
