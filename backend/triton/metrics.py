@@ -129,87 +129,100 @@ class TritonMetrics:
     def __init__(self, pb_utils, model_name: str, load=None):
         """``load``: the cluster schedulers' names of the load gauges (backend/triton/load_metrics.py)."""
         self.load = load
-        labels = {"model": model_name}
-        family = pb_utils.MetricFamily
-        self._families = []
-
-        def make(name, description, kind, buckets=None, extra_labels=None):
-            fam = family(name=name, description=description, kind=kind)
-            self._families.append(fam)
-            metric_labels = dict(labels, **(extra_labels or {}))
-            if buckets is None:
-                return fam, fam.Metric(labels=metric_labels)
-            return fam, fam.Metric(labels=metric_labels, buckets=buckets)
-
-        H, C, G = family.HISTOGRAM, family.COUNTER, family.GAUGE
-        _, self.ttft = make("llm_time_to_first_token_seconds", "Time from submission to the first token", H, LATENCY_BUCKETS)
-        _, self.itl = make("llm_inter_token_latency_seconds", "Gap between streamed tokens", H, LATENCY_BUCKETS)
-        _, self.tpot = make("llm_time_per_output_token_seconds", "(e2e - TTFT) / (output tokens - 1)", H, LATENCY_BUCKETS)
-        _, self.e2e = make("llm_e2e_request_latency_seconds", "Submission to the final response", H, LATENCY_BUCKETS)
-        _, self.queue_time = make("llm_request_queue_time_seconds", "Submission to first scheduling", H, LATENCY_BUCKETS)
-        _, self.prompt_tokens_hist = make("llm_request_prompt_tokens", "Prompt tokens per request", H, TOKEN_BUCKETS)
-        _, self.generation_tokens_hist = make("llm_request_generation_tokens", "Output tokens per request", H, TOKEN_BUCKETS)
-        _, prompt_tokens = make("llm_prompt_tokens_total", "Prompt tokens of requests that produced a token", C)
-        _, generation_tokens = make("llm_generation_tokens_total", "Output tokens sent to clients", C)
-        self.prompt_tokens, self.generation_tokens = BatchedCounter(prompt_tokens), BatchedCounter(generation_tokens)
-        success_family = family(name="llm_request_success_total", description="Finished requests by finish reason", kind=C)
-        self._families.append(success_family)
-        self.success = {reason: success_family.Metric(labels=dict(labels, finish_reason=reason)) for reason in FINISH_REASONS}
-        _, self.preemptions = make("llm_num_preemptions_total", "Requests preempted (recompute)", C)
-        _, self.prefix_queries = make("llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", C)
-        _, self.prefix_hits = make("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache", C)
-        _, self.running = make("llm_num_requests_running", "Requests in the running batch", G)
-        _, self.waiting = make("llm_num_requests_waiting", "Requests waiting to be scheduled", G)
-        _, self.kv_usage = make("llm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", G)
-        _, self.kv_shared = make("llm_kv_cache_shared_blocks",
-                                 "KV blocks saved by sharing (prefix hits, forked samples): references beyond the first", G)
-        _, self.engine_restarts = make("llm_engine_restarts_total",
-                                      "Engine-core processes that died or hung and were restarted", C)
-        _, self.stub_recoveries = make("llm_stub_recoveries_total",
-                                       "Times this model's stub died while serving and the model was reloaded", C)
-        _, self.core_ipc = make("llm_engine_core_ipc_seconds",
-                                "A step's outputs from the engine-core process to the front end", H, IPC_BUCKETS)
-        _, self.grammar_compile = make("llm_structured_output_compile_seconds",
-                                       "Compiling one structured-output constraint into token masks", H, COMPILE_BUCKETS)
-        _, self.grammar_compiles = make("llm_structured_output_compiles_total",
-                                        "Structured-output constraints compiled (cache misses)", C)
-        _, self.grammar_cache_hits = make("llm_structured_output_cache_hits_total",
-                                          "Constrained requests whose grammar was already compiled or compiling", C)
-        self.cumulative_counters = {
-            field_name: make(name, description, C)[1] for field_name, name, description in CUMULATIVE_COUNTERS
-        }
-        _, self.offload_load = make("llm_kv_offload_load_seconds",
-                                    "Loading one request's blocks from the KV offload tier", H, OFFLOAD_LOAD_BUCKETS)
-        _, self.transfer_pull = make("llm_kv_transfer_pull_seconds",
-                                     "Decode engine: pulling one prompt's KV blocks from a prefill engine", H,
-                                     OFFLOAD_LOAD_BUCKETS)
-        _, self.transfer_pinned = make("llm_kv_transfer_pinned_blocks",
-                                       "Prefill engine: KV blocks kept for decode engines' pulls", G)
-        _, self.lora_load = make("llm_lora_load_seconds", "Loading one LoRA adapter from its folder", H,
-                                 OFFLOAD_LOAD_BUCKETS)
-        _, self.lora_loaded = make("llm_lora_loaded_adapters", "LoRA adapters in memory", G)
-        _, self.cpu_threads = make("llm_engine_cpu_threads",
-                                   "The engine's torch threads on the CPU now (0: fixed, see cpu_adaptive_threads)", G)
-        self._lora_requests_family = family(name="llm_lora_requests_total",
-                                            description="Requests added, by LoRA adapter", kind=C)
-        self._families.append(self._lora_requests_family)
-        self.lora_requests: dict[str, object] = {}  # adapter -> its counter, made on first sight
-        _, self.spec_draft = make("llm_spec_decode_num_draft_tokens_total", "Speculative tokens proposed and verified", C)
-        _, self.spec_accepted = make("llm_spec_decode_num_accepted_tokens_total",
-                                     "Speculative tokens the target model accepted", C)
-        self._spec_position_family = family(name="llm_spec_decode_num_accepted_tokens_per_pos_total",
-                                            description="Speculative tokens accepted, by position in the proposal (0 first)",
-                                            kind=C)
-        self._families.append(self._spec_position_family)
-        self._spec_labels = labels
-        self.spec_accepted_per_position = []  # made when the first stats say how many positions there are
-        _, self.spec_steps = make("llm_spec_decode_num_steps_total",
-                                  "Engine steps with a request that could speculate", C)
-        _, self.spec_speculated_steps = make("llm_spec_decode_num_speculated_steps_total",
-                                             "Of those steps, the ones the speculation controller let speculate", C)
-        _, self.spec_speculated_fraction = make("llm_spec_decode_speculated_step_fraction",
-                                                "Speculated steps / steps that could speculate, since start", G)
+        self._labels = {"model": model_name}
+        self._family = pb_utils.MetricFamily
+        self._families = []  # every family stays referenced (Triton 2.51: a dropped one breaks later calls)
+        self._make_request_metrics()
+        self._make_engine_metrics()
+        self._make_feature_metrics()
         self._last_stats: EngineStats | None = None
+
+    def _new_family(self, name: str, description: str, kind):
+        family = self._family(name=name, description=description, kind=kind)
+        self._families.append(family)
+        return family
+
+    def _make(self, name: str, description: str, kind, buckets=None):
+        """A family of one metric, labelled with the model."""
+        family = self._new_family(name, description, kind)
+        if buckets is None:
+            return family.Metric(labels=dict(self._labels))
+        return family.Metric(labels=dict(self._labels), buckets=buckets)
+
+    def _make_request_metrics(self) -> None:
+        """Per-request latencies and token counts, and finished requests by reason."""
+        H, C = self._family.HISTOGRAM, self._family.COUNTER
+        self.ttft = self._make("llm_time_to_first_token_seconds", "Time from submission to the first token", H, LATENCY_BUCKETS)
+        self.itl = self._make("llm_inter_token_latency_seconds", "Gap between streamed tokens", H, LATENCY_BUCKETS)
+        self.tpot = self._make("llm_time_per_output_token_seconds", "(e2e - TTFT) / (output tokens - 1)", H, LATENCY_BUCKETS)
+        self.e2e = self._make("llm_e2e_request_latency_seconds", "Submission to the final response", H, LATENCY_BUCKETS)
+        self.queue_time = self._make("llm_request_queue_time_seconds", "Submission to first scheduling", H, LATENCY_BUCKETS)
+        self.prompt_tokens_hist = self._make("llm_request_prompt_tokens", "Prompt tokens per request", H, TOKEN_BUCKETS)
+        self.generation_tokens_hist = self._make("llm_request_generation_tokens", "Output tokens per request", H, TOKEN_BUCKETS)
+        prompt_tokens = self._make("llm_prompt_tokens_total", "Prompt tokens of requests that produced a token", C)
+        generation_tokens = self._make("llm_generation_tokens_total", "Output tokens sent to clients", C)
+        self.prompt_tokens, self.generation_tokens = BatchedCounter(prompt_tokens), BatchedCounter(generation_tokens)
+        success_family = self._new_family("llm_request_success_total", "Finished requests by finish reason", C)
+        self.success = {reason: success_family.Metric(labels=dict(self._labels, finish_reason=reason)) for reason in FINISH_REASONS}
+
+    def _make_engine_metrics(self) -> None:
+        """The engine's batch, cache, restarts and IPC."""
+        H, C, G = self._family.HISTOGRAM, self._family.COUNTER, self._family.GAUGE
+        self.preemptions = self._make("llm_num_preemptions_total", "Requests preempted (recompute)", C)
+        self.prefix_queries = self._make("llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", C)
+        self.prefix_hits = self._make("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache", C)
+        self.running = self._make("llm_num_requests_running", "Requests in the running batch", G)
+        self.waiting = self._make("llm_num_requests_waiting", "Requests waiting to be scheduled", G)
+        self.kv_usage = self._make("llm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", G)
+        self.kv_shared = self._make("llm_kv_cache_shared_blocks",
+                                    "KV blocks saved by sharing (prefix hits, forked samples): references beyond the first", G)
+        self.engine_restarts = self._make("llm_engine_restarts_total",
+                                         "Engine-core processes that died or hung and were restarted", C)
+        self.stub_recoveries = self._make("llm_stub_recoveries_total",
+                                          "Times this model's stub died while serving and the model was reloaded", C)
+        self.core_ipc = self._make("llm_engine_core_ipc_seconds",
+                                   "A step's outputs from the engine-core process to the front end", H, IPC_BUCKETS)
+
+    def _make_feature_metrics(self) -> None:
+        """Structured output, the offload tier and transfers, LoRA, threads and speculation."""
+        H, C, G = self._family.HISTOGRAM, self._family.COUNTER, self._family.GAUGE
+        self.grammar_compile = self._make("llm_structured_output_compile_seconds",
+                                          "Compiling one structured-output constraint into token masks", H, COMPILE_BUCKETS)
+        self.grammar_compiles = self._make("llm_structured_output_compiles_total",
+                                           "Structured-output constraints compiled (cache misses)", C)
+        self.grammar_cache_hits = self._make("llm_structured_output_cache_hits_total",
+                                             "Constrained requests whose grammar was already compiled or compiling", C)
+        self.cumulative_counters = {
+            field_name: self._make(name, description, C) for field_name, name, description in CUMULATIVE_COUNTERS
+        }
+        self.offload_load = self._make("llm_kv_offload_load_seconds",
+                                       "Loading one request's blocks from the KV offload tier", H, OFFLOAD_LOAD_BUCKETS)
+        self.transfer_pull = self._make("llm_kv_transfer_pull_seconds",
+                                        "Decode engine: pulling one prompt's KV blocks from a prefill engine", H,
+                                        OFFLOAD_LOAD_BUCKETS)
+        self.transfer_pinned = self._make("llm_kv_transfer_pinned_blocks",
+                                          "Prefill engine: KV blocks kept for decode engines' pulls", G)
+        self.lora_load = self._make("llm_lora_load_seconds", "Loading one LoRA adapter from its folder", H,
+                                    OFFLOAD_LOAD_BUCKETS)
+        self.lora_loaded = self._make("llm_lora_loaded_adapters", "LoRA adapters in memory", G)
+        self.cpu_threads = self._make("llm_engine_cpu_threads",
+                                      "The engine's torch threads on the CPU now (0: fixed, see cpu_adaptive_threads)", G)
+        self._lora_requests_family = self._new_family("llm_lora_requests_total", "Requests added, by LoRA adapter", C)
+        self.lora_requests: dict[str, object] = {}  # adapter -> its counter, made on first sight
+        self.spec_draft = self._make("llm_spec_decode_num_draft_tokens_total", "Speculative tokens proposed and verified", C)
+        self.spec_accepted = self._make("llm_spec_decode_num_accepted_tokens_total",
+                                        "Speculative tokens the target model accepted", C)
+        self._spec_position_family = self._new_family(
+            "llm_spec_decode_num_accepted_tokens_per_pos_total",
+            "Speculative tokens accepted, by position in the proposal (0 first)", C)
+        self._spec_labels = self._labels
+        self.spec_accepted_per_position = []  # made when the first stats say how many positions there are
+        self.spec_steps = self._make("llm_spec_decode_num_steps_total",
+                                     "Engine steps with a request that could speculate", C)
+        self.spec_speculated_steps = self._make("llm_spec_decode_num_speculated_steps_total",
+                                                "Of those steps, the ones the speculation controller let speculate", C)
+        self.spec_speculated_fraction = self._make("llm_spec_decode_speculated_step_fraction",
+                                                   "Speculated steps / steps that could speculate, since start", G)
 
     def flush_counters(self) -> None:
         """Sends the token counts added up since the last flush (BatchedCounter)."""
