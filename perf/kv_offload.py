@@ -82,15 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served", action="store_true", help="through tritonserver (see the docstring)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
-    if args.served:
-        return served_main(args, argv)
+    return served_main(args, argv) if args.served else engine_main(args, argv)
+
+
+def engine_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The engine-level measurement (module docstring): the three systems, alternating, then restarts."""
     block_size = 16
     num_blocks = (args.prefix_tokens + 600) // block_size  # the prefix and one filler: a filler evicts it
     work = Path(tempfile.mkdtemp(prefix="kv-offload-bench-"))
     offload_dir = str(work / "tier")
     engines = {s: build(args.model_folder, s, offload_dir + ("-host" if s == "host tier" else ""), num_blocks, args.policy) for s in SYSTEMS}
     meta = engines["recompute"].model_runner
-    model_name = Path(engines["recompute"].config.model.model_dir).name
     # client.bench's workload on the model's tokenizer (the prompts' content does not matter here):
     # the shared prefix + a new 20-token question per trial (the first warms the pools, the last is
     # asked after the restart), and fillers that evict the prefix from a pool.
@@ -101,9 +103,32 @@ def main(argv: list[str] | None = None) -> int:
         builder, args.trials, str(num_blocks * block_size - 2 * block_size), "8", 20)]
     print(f"model {meta.shape.num_layers} layers, dtype {meta.dtype}, pool {num_blocks} blocks of {block_size}; "
           f"prefix {args.prefix_tokens} tokens; {args.trials} trials", flush=True)
+    dropped: list[bool] = []
+    times, first_tokens = alternating_trials(args, engines, asked, fillers, dropped)
+    decisions = {s: (e.offloader.stats.restored_blocks, e.offloader.stats.recomputed_blocks)
+                 for s, e in engines.items() if e.offloader is not None}
+    rates = {s: (e.offloader.read_bytes_per_second, e.offloader.prefill_tokens_per_second)
+             for s, e in engines.items() if e.offloader is not None}
+    model_name, dtype = Path(engines["recompute"].config.model.model_dir).name, meta.dtype
+    restart, restart_tokens = restarts(args, engines, offload_dir, num_blocks, asked[-1], dropped)
+    same = all(first_tokens[s] == first_tokens["recompute"] for s in SYSTEMS) and \
+        restart_tokens["disk tier"] == restart_tokens["recompute"]
+    markdown = engine_markdown(args, argv, f"{model_name}, {dtype}", times, restart, decisions, rates, same, dropped)
+    document = {"prefix_tokens": args.prefix_tokens, "trials": args.trials, "policy": args.policy,
+                "ttft_seconds": times, "restart_ttft_seconds": restart, "decisions": decisions,
+                "same_tokens": same, "page_cache_dropped": bool(dropped and all(dropped)), "num_blocks": num_blocks,
+                "dtype": str(dtype), "threads": os.cpu_count()}
+    out = Path(args.out_dir) if args.out_dir else RESULTS_DIR / "kv_offload" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    write_report(out, "kv_offload", document, markdown)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if same else 1
+
+
+def alternating_trials(args, engines: dict[str, LLMEngine], asked: list[list[int]], fillers: list[list[int]],
+                       dropped: list[bool]) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Per trial and system: a filler evicts the prefix, then the prefix + a new question is timed."""
     times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     first_tokens: dict[str, list[list[int]]] = {s: [] for s in SYSTEMS}
-    dropped = []
     for system, engine in engines.items():  # warm-up: the prefix once, into every pool (and tier)
         ttft(engine, f"warm-{system}", asked[0])
     for trial in range(args.trials):
@@ -118,26 +143,29 @@ def main(argv: list[str] | None = None) -> int:
             first_tokens[system].append(tokens)
         print(f"trial {trial + 1}/{args.trials}: " + ", ".join(f"{s} {times[s][-1] * 1000:.0f} ms" for s in SYSTEMS),
               flush=True)
-    decisions = {s: (e.offloader.stats.restored_blocks, e.offloader.stats.recomputed_blocks)
-                 for s, e in engines.items() if e.offloader is not None}
-    rates = {s: (e.offloader.read_bytes_per_second, e.offloader.prefill_tokens_per_second)
-             for s, e in engines.items() if e.offloader is not None}
-    # Restart: close (the disk tier keeps the pool's prefixes), start anew, time the first request.
+    return times, first_tokens
+
+
+def restarts(args, engines: dict[str, LLMEngine], offload_dir: str, num_blocks: int, prompt: list[int],
+             dropped: list[bool]) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """Closes every engine (the disk tier keeps the pool's prefixes); a new recompute and disk-tier
+    engine on the same folder each time their first request."""
     restart: dict[str, float] = {}
     restart_tokens: dict[str, list[int]] = {}
     for system in ("recompute", "disk tier"):
-        engines[system].close()
-        del engines[system]
+        engines.pop(system).close()
         if system == "disk tier" and args.drop_caches:
             dropped.append(drop_page_cache())
         engine = build(args.model_folder, system, offload_dir, num_blocks, args.policy)
-        restart[system], restart_tokens[system] = ttft(engine, f"restart-{system}", asked[-1])
+        restart[system], restart_tokens[system] = ttft(engine, f"restart-{system}", prompt)
         restored = engine.offloader.stats.restored_blocks if engine.offloader is not None else 0
         print(f"after a restart: {system} {restart[system] * 1000:.0f} ms ({restored} blocks restored)", flush=True)
         engine.close()
-    engines["host tier"].close()
-    same = all(first_tokens[s] == first_tokens["recompute"] for s in SYSTEMS) and \
-        restart_tokens["disk tier"] == restart_tokens["recompute"]
+    engines.pop("host tier").close()
+    return restart, restart_tokens
+
+
+def engine_markdown(args, argv, model: str, times, restart, decisions, rates, same: bool, dropped: list[bool]) -> str:
     p50 = {s: statistics.median(v) for s, v in times.items()}
     rows = [f"| {s} | {p50[s] * 1000:.0f} | {min(times[s]) * 1000:.0f} | {max(times[s]) * 1000:.0f} | "
             f"{p50['recompute'] / p50[s]:.1f}x |" for s in SYSTEMS]
@@ -145,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
              for s in restart]
     page_cache = ("page cache dropped before each disk load" if dropped and all(dropped)
                   else "disk files read through the OS page cache (not dropped)")
-    markdown = "\n".join([
+    return "\n".join([
         f"KV offload: TTFT of a {args.prefix_tokens}-token shared prefix evicted from the pool "
-        f"(engine level, {model_name}, {meta.dtype}, {args.trials} trials, policy {args.policy}; {page_cache})",
+        f"(engine level, {model}, {args.trials} trials, policy {args.policy}; {page_cache})",
         "",
         "| system | TTFT p50 ms | min | max | recompute / system |",
         "| --- | --- | --- | --- | --- |",
@@ -161,14 +189,6 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"command: python -m perf.kv_offload {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
     ])
-    document = {"prefix_tokens": args.prefix_tokens, "trials": args.trials, "policy": args.policy,
-                "ttft_seconds": times, "restart_ttft_seconds": restart, "decisions": decisions,
-                "same_tokens": same, "page_cache_dropped": bool(dropped and all(dropped)), "num_blocks": num_blocks,
-                "dtype": str(meta.dtype), "threads": os.cpu_count()}
-    out = Path(args.out_dir) if args.out_dir else RESULTS_DIR / "kv_offload" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    write_report(out, "kv_offload", document, markdown)
-    shutil.rmtree(work, ignore_errors=True)
-    return 0 if same else 1
 
 
 def served_main(args: argparse.Namespace, argv: list[str] | None) -> int:
