@@ -106,96 +106,121 @@ def request_rows(completed: list[CompletedRequest], run_start: float) -> list[di
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        sweep = sweep_from_args(args)
-        builder = PromptBuilder(args.tokenizer, args.corpus)
-        input_lengths = parse_length(args.input_len, minimum=1)
-        output_lengths = parse_length(args.output_len, minimum=1)
-        percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
-    except (ValueError, PromptError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    server_config = server_model_config(args.url, args.model) if args.api == API_TRITON else {"parameters": {}}
-    if "error" in server_config:
-        print(f"error: cannot read the config of model {args.model!r} at {args.url}: {server_config['error']}",
-              file=sys.stderr)
-        return 2
-    max_model_len = args.max_model_len or int(server_config["parameters"].get("max_model_len") or 0) or None
-    shared_prefix = SharedPrefix(args.num_prefixes, args.prefix_len) if args.num_prefixes > 0 else None
-    if shared_prefix and args.prefix_len <= builder.num_special_tokens:
-        print("error: --prefix-len must exceed the tokenizer's special tokens", file=sys.stderr)
-        return 2
-    slo = SloTargets(None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
-                     None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000)
+class BenchError(Exception):
+    """A bad argument or a server that cannot be measured: printed as an error, exit status 2."""
 
-    tenants = (Tenants(args.tenants, args.system_len, args.sessions_per_tenant, args.turns, args.user_len,
-                       args.answer_len) if args.tenants > 0 else None)
 
-    def workload(run_index: int, count: int) -> list[WorkItem]:
-        return build_workload(builder, count, input_lengths, output_lengths, args.seed + run_index * RUN_SEED_STRIDE,
-                              shared_prefix, max_model_len)
+class Bench:
+    """One client.bench invocation: the sweep, its workloads (one per run), the runs' results."""
 
-    def run_items(run_index: int) -> list[WorkItem]:
-        if tenants is None:
-            return workload(run_index, args.num_requests)
-        return build_tenant_workload(builder, tenants, output_lengths, args.seed + run_index * RUN_SEED_STRIDE,
-                                     max_model_len)
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        try:
+            self.sweep = sweep_from_args(args)
+            self.builder = PromptBuilder(args.tokenizer, args.corpus)
+            self.input_lengths = parse_length(args.input_len, minimum=1)
+            self.output_lengths = parse_length(args.output_len, minimum=1)
+            self.percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
+        except (ValueError, PromptError) as exc:
+            raise BenchError(str(exc)) from None
+        self.server_config = server_model_config(args.url, args.model) if args.api == API_TRITON else {"parameters": {}}
+        if "error" in self.server_config:
+            raise BenchError(f"cannot read the config of model {args.model!r} at {args.url}: "
+                             f"{self.server_config['error']}")
+        self.max_model_len = args.max_model_len or int(self.server_config["parameters"].get("max_model_len") or 0) or None
+        self.shared_prefix = SharedPrefix(args.num_prefixes, args.prefix_len) if args.num_prefixes > 0 else None
+        if self.shared_prefix and args.prefix_len <= self.builder.num_special_tokens:
+            raise BenchError("--prefix-len must exceed the tokenizer's special tokens")
+        self.slo = SloTargets(None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
+                              None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000)
+        self.tenants = (Tenants(args.tenants, args.system_len, args.sessions_per_tenant, args.turns, args.user_len,
+                                args.answer_len) if args.tenants > 0 else None)
+        self.runs: list[dict] = []
 
-    try:
-        count = args.num_requests if tenants is None else tenants.num_requests
-        print(f"building prompts: {len(sweep)} run(s) x {count} requests", flush=True)
-        workloads = [run_items(i) for i in range(len(sweep))]
-        warmup_items = workload(len(sweep), args.warmup) if args.warmup > 0 else []
-    except PromptError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if warmup_items:
-        completed, _ = run_workload(args.url, args.model, warmup_items, ArrivalPattern("concurrency", 1),
-                                    timeout_s=args.timeout, api=args.api)
+    def workload(self, run_index: int, count: int) -> list[WorkItem]:
+        return build_workload(self.builder, count, self.input_lengths, self.output_lengths,
+                              self.args.seed + run_index * RUN_SEED_STRIDE, self.shared_prefix, self.max_model_len)
+
+    def run_items(self, run_index: int) -> list[WorkItem]:
+        if self.tenants is None:
+            return self.workload(run_index, self.args.num_requests)
+        return build_tenant_workload(self.builder, self.tenants, self.output_lengths,
+                                     self.args.seed + run_index * RUN_SEED_STRIDE, self.max_model_len)
+
+    def prepare(self) -> tuple[list[list[WorkItem]], list[WorkItem]]:
+        """Every run's prompts and the warm-up's, built before anything is sent."""
+        args = self.args
+        try:
+            count = args.num_requests if self.tenants is None else self.tenants.num_requests
+            print(f"building prompts: {len(self.sweep)} run(s) x {count} requests", flush=True)
+            workloads = [self.run_items(i) for i in range(len(self.sweep))]
+            warmup_items = self.workload(len(self.sweep), args.warmup) if args.warmup > 0 else []
+        except PromptError as exc:
+            raise BenchError(str(exc)) from None
+        return workloads, warmup_items
+
+    def warm_up(self, items: list[WorkItem]) -> None:
+        completed, _ = run_workload(self.args.url, self.args.model, items, ArrivalPattern("concurrency", 1),
+                                    timeout_s=self.args.timeout, api=self.args.api)
         failures = [c.record.error for c in completed if c.record.error]
         if failures:
-            print(f"error: warm-up request failed: {failures[0]}", file=sys.stderr)
-            return 2
+            raise BenchError(f"warm-up request failed: {failures[0]}")
 
-    runs = []
-    for run_index, (pattern, items) in enumerate(zip(sweep, workloads, strict=True)):
+    def measure(self, run_index: int, pattern: ArrivalPattern, items: list[WorkItem]) -> None:
+        args = self.args
         with Progress(pattern.label, len(items), args.progress_interval) as progress:
             completed, duration = run_workload(
                 args.url, args.model, items, pattern, seed=args.seed + run_index, timeout_s=args.timeout,
                 max_concurrency=args.max_concurrency, progress=progress, api=args.api,
             )
         records = [c.record for c in completed]
-        metrics = compute_metrics(records, duration, slo, percentiles)
-        reuse = prefix_reuse(builder, list(items)) if tenants is not None else None
+        metrics = compute_metrics(records, duration, self.slo, self.percentiles)
+        reuse = prefix_reuse(self.builder, list(items)) if self.tenants is not None else None
         run_start = min((r.start_time for r in records), default=0.0)
         mismatched = count_length_mismatches(completed)
         if mismatched:
             print(f"warning: {mismatched} requests had token counts other than requested", file=sys.stderr)
-        runs.append({"arrival": pattern.to_dict(), "metrics": metrics.to_dict(), "num_mismatched_lengths": mismatched,
-                     "prefix_reuse": reuse, "requests": request_rows(completed, run_start)})
+        self.runs.append({"arrival": pattern.to_dict(), "metrics": metrics.to_dict(),
+                          "num_mismatched_lengths": mismatched, "prefix_reuse": reuse,
+                          "requests": request_rows(completed, run_start)})
         if reuse is not None:
             print(f"prefix reuse: {reuse['ideal_hit_rate']:.1%} of {reuse['prompt_tokens']} prompt tokens would hit "
                   "one replica with an unbounded cache", flush=True)
         print(summary_line(pattern.label, metrics.to_dict()), flush=True)
 
-    document = {
-        "tool": "client.bench", "created": now_iso(), "url": args.url, "api": args.api, "model": args.model,
-        "git": git_state(), "machine": machine_info(), "server_model_config": server_config,
-        "workload": {
-            "num_requests": args.num_requests, "input_len": input_lengths.to_dict(),
-            "output_len": output_lengths.to_dict(), "tokenizer": args.tokenizer, "corpus": args.corpus,
-            "shared_prefix": None if shared_prefix is None else {"num_prefixes": shared_prefix.num_prefixes,
-                                                                 "prefix_len": shared_prefix.prefix_len},
-            "tenants": None if tenants is None else tenants.to_dict(),
-            "max_model_len": max_model_len, "seed": args.seed, "warmup": args.warmup,
-            "ignore_eos": True, "stream": True,
-        },
-        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
-        "parameters": vars(args),
-        "runs": runs,
-    }
+    def document(self) -> dict:
+        args, shared_prefix = self.args, self.shared_prefix
+        return {
+            "tool": "client.bench", "created": now_iso(), "url": args.url, "api": args.api, "model": args.model,
+            "git": git_state(), "machine": machine_info(), "server_model_config": self.server_config,
+            "workload": {
+                "num_requests": args.num_requests, "input_len": self.input_lengths.to_dict(),
+                "output_len": self.output_lengths.to_dict(), "tokenizer": args.tokenizer, "corpus": args.corpus,
+                "shared_prefix": None if shared_prefix is None else {"num_prefixes": shared_prefix.num_prefixes,
+                                                                     "prefix_len": shared_prefix.prefix_len},
+                "tenants": None if self.tenants is None else self.tenants.to_dict(),
+                "max_model_len": self.max_model_len, "seed": args.seed, "warmup": args.warmup,
+                "ignore_eos": True, "stream": True,
+            },
+            "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+            "parameters": vars(args),
+            "runs": self.runs,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        bench = Bench(args)
+        workloads, warmup_items = bench.prepare()
+        if warmup_items:
+            bench.warm_up(warmup_items)
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for run_index, (pattern, items) in enumerate(zip(bench.sweep, workloads, strict=True)):
+        bench.measure(run_index, pattern, items)
+    document = bench.document()
     if args.out_json:
         write_json(document, args.out_json)
         print(f"JSON written to {args.out_json}")
@@ -204,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"markdown written to {args.out_md}")
     if args.out_plot:
         print(write_plots(document, args.out_plot))
-    return 1 if any(run["metrics"]["num_errors"] for run in runs) else 0
+    return 1 if any(run["metrics"]["num_errors"] for run in bench.runs) else 0
 
 
 def summary_line(label: str, m: dict) -> str:

@@ -188,57 +188,49 @@ def arrival_patterns(args) -> list[ArrivalPattern]:
     return parse_sweep(args.concurrency or str(args.num_requests), "concurrency")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(ALL_SYSTEMS))
-    if unknown:
-        print(f"error: --systems: unknown {unknown}; choose from {', '.join(ALL_SYSTEMS)}", file=sys.stderr)
-        return 2
-    try:
-        patterns = arrival_patterns(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    from backend.config import engine_config_from_model_folder
+class CompareSession:
+    """One invocation: the workload of every arrival pattern, the systems' results in order, and
+    what each system adds to the document (``extra``)."""
 
-    model_folder = str(Path(args.model_repository) / args.model)
-    engine_config = engine_config_from_model_folder(model_folder, dtype=args.dtype)
-    model_dir = engine_config.model.model_dir
-    max_model_len = engine_config.model.max_model_len
-    builder = PromptBuilder(engine_config.model.tokenizer_dir or model_dir)
-    # One workload per arrival pattern (the first one's is the single run's): (pattern, items).
-    runs = [(pattern, build_workload(builder, args.num_requests, parse_length(args.input_len),
-                                     parse_length(args.output_len), args.seed + index * RUN_SEED_STRIDE,
-                                     max_model_len=max_model_len))
-            for index, pattern in enumerate(patterns)]
-    pattern, items = runs[0]
-    token_runs = [(run_pattern, token_requests(builder, run_items)) for run_pattern, run_items in runs]
-    offline_requests = token_runs[0][1]
-    warmup = build_workload(builder, 1, parse_length("16"), parse_length("4"), args.seed + 99)
-    offline = ArrivalPattern("concurrency", args.num_requests)
-    print(f"workload: {len(items)} requests, {sum(i.num_input_tokens for i in items)} prompt tokens, "
-          f"{sum(i.max_tokens for i in items)} output tokens, {', '.join(p.label for p in patterns)}; "
-          f"dtype {args.dtype}", flush=True)
+    def __init__(self, args, patterns: list[ArrivalPattern]):
+        from backend.config import engine_config_from_model_folder
 
-    results: list[SystemResult] = []
-    extra: dict[str, dict] = {}
+        self.args, self.patterns = args, patterns
+        self.model_folder = str(Path(args.model_repository) / args.model)
+        self.engine_config = engine_config_from_model_folder(self.model_folder, dtype=args.dtype)
+        self.model_dir = self.engine_config.model.model_dir
+        self.max_model_len = self.engine_config.model.max_model_len
+        builder = PromptBuilder(self.engine_config.model.tokenizer_dir or self.model_dir)
+        # One workload per arrival pattern (the first one's is the single run's): (pattern, items).
+        self.runs = [(pattern, build_workload(builder, args.num_requests, parse_length(args.input_len),
+                                              parse_length(args.output_len), args.seed + index * RUN_SEED_STRIDE,
+                                              max_model_len=self.max_model_len))
+                     for index, pattern in enumerate(patterns)]
+        self.token_runs = [(run_pattern, token_requests(builder, run_items)) for run_pattern, run_items in self.runs]
+        self.warmup = build_workload(builder, 1, parse_length("16"), parse_length("4"), args.seed + 99)
+        self.offline = ArrivalPattern("concurrency", args.num_requests)
+        self.results: list[SystemResult] = []
+        self.extra: dict[str, dict] = {}
+        self.current_run = 0  # which of the --repeat runs is going on
 
-    current_run = [0]  # which of the --repeat runs is going on
+    @property
+    def items(self):
+        return self.runs[0][1]
 
-    def key(system: str, at: ArrivalPattern, with_run: bool) -> str:
+    def key(self, system: str, at: ArrivalPattern, with_run: bool) -> str:
         """``system`` as a key of the document's systems, naming the point of a sweep (and the run)."""
-        name = system if len(patterns) == 1 else f"{system} {at.label}"
-        return f"{name} [run {current_run[0] + 1}]" if with_run and args.repeat > 1 else name
+        name = system if len(self.patterns) == 1 else f"{system} {at.label}"
+        return f"{name} [run {self.current_run + 1}]" if with_run and self.args.repeat > 1 else name
 
-    def note(result: SystemResult) -> None:
-        if args.repeat > 1:
-            result.name = f"{result.name} [run {current_run[0] + 1}]"
-        results.append(result)
-        at = "" if len(patterns) == 1 else f" ({result.arrival})"
+    def note(self, result: SystemResult) -> None:
+        if self.args.repeat > 1:
+            result.name = f"{result.name} [run {self.current_run + 1}]"
+        self.results.append(result)
+        at = "" if len(self.patterns) == 1 else f" ({result.arrival})"
         print(f"  {result.name}{at}: {result.output_tokens} tokens in {result.duration_s:.1f} s = "
               f"{result.output_token_throughput:.1f} out tok/s", flush=True)
 
+    @staticmethod
     def served_result(name: str, at: ArrivalPattern, completed, duration: float, load_before: float,
                       cpu: CpuMeter) -> SystemResult:
         records = [c.record for c in completed]
@@ -253,107 +245,152 @@ def main(argv: list[str] | None = None) -> int:
         result.token_responses = sum(len(r.token_times) for r in records)
         return result
 
-    for run, system in [(r, s) for r in range(args.repeat) for s in systems]:
-        current_run[0] = run
+    def run_system(self, system: str) -> None:
         load_before = os.getloadavg()[0]
         print(f"\n== {system} ==", flush=True)
         if system in TRITON_SYSTEMS:
-            measured = run_triton(args, system, runs, warmup, load_before)
-            for (at, _), (completed, duration, cpu, ipc, started_load) in zip(runs, measured, strict=True):
-                if ipc is not None:
-                    extra.setdefault("engine_core_ipc", {})[key(system, at, True)] = ipc
-                    print(f"  engine-core IPC per step: median {ipc['median_us']:.0f} us over {ipc['count']} steps")
-                note(served_result(TRITON_SYSTEMS[system][3], at, completed, duration, started_load, cpu))
+            self.run_triton_system(system, load_before)
         elif system in ("engine", "engine-no-fused-ops", "engine-torch-attention"):
-            from perf.compare.engine_in_process import run_engine_in_process
-
-            overrides = {"dtype": args.dtype}
-            name = "our engine in-process"
-            if system == "engine-torch-attention":  # the torch path: no CPU kernel at all
-                overrides["attention_backend"] = "torch"
-                name += ", torch attention"
-            if system == "engine-no-fused-ops":  # the attention kernels, torch for the layers' small ops
-                overrides["cpu_fused_ops"] = "false"
-                name += ", no fused ops"
-            for at, requests in token_runs:
-                records, duration, summary = run_engine_in_process(model_folder, requests, at, overrides, args.seed,
-                                                                   args.progress_interval)
-                extra[key(system, at, False)] = summary
-                result = SystemResult.from_metrics(name, compute_metrics(records, duration),
-                                                   at.label, load=(load_before, os.getloadavg()[0]))
-                result.server_cpu_s = summary["cpu_s"]
-                result.cpu_s_by_process = {"engine (in-process)": summary["cpu_s"]}
-                note(result)
-                load_before = os.getloadavg()[0]
+            self.run_engine(system, load_before)
         elif system == "vllm":
-            from perf.compare.vllm_server import SERVED_MODEL_NAME, start_vllm, vllm_version
-
-            extra["vllm"] = {"versions": vllm_version(), "setups": {}}
-            for setup in [s.strip() for s in args.vllm_setups.split(",") if s.strip()]:
-                load_before = os.getloadavg()[0]
-                print(f"starting vLLM ({setup})...", flush=True)
-                server = start_vllm(model_dir, setup, args.dtype, max_model_len, engine_config.scheduler.max_num_seqs,
-                                    args.vllm_kv_cache_gib, log_dir=args.out_dir,
-                                    max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens)
-                measured = []
-                try:
-                    run_workload(server.url, SERVED_MODEL_NAME, warmup, ArrivalPattern("concurrency", 1), api=API_OPENAI)
-                    settle(server.process.pid)
-                    for at, run_items in runs:
-                        cpu = CpuMeter(server.process.pid)
-                        with Progress(f"vllm-{setup} " + at.label, len(run_items), args.progress_interval) as progress:
-                            completed, duration = run_workload(server.url, SERVED_MODEL_NAME, run_items, at,
-                                                               seed=args.seed, progress=progress, api=API_OPENAI)
-                        cpu.stop()
-                        measured.append((at, completed, duration, load_before, cpu))
-                        load_before = os.getloadavg()[0]
-                finally:
-                    server.stop()
-                extra["vllm"]["setups"][setup] = {"env": server.env, "log": str(server.log_path)}
-                for at, completed, duration, started_load, cpu in measured:
-                    note(served_result(f"vLLM CPU, {setup} (OpenAI streaming)", at, completed, duration, started_load,
-                                       cpu))
+            self.run_vllm()
         elif system == "triton-vllm-backend":
-            from perf.compare.vllm_backend import RESULT_NAME, run_vllm_backend
-
-            measured, extra[system] = run_vllm_backend(args, runs, warmup, load_before, model_dir, max_model_len,
-                                                       engine_config.scheduler.max_num_seqs,
-                                                       engine_config.scheduler.max_num_batched_tokens)
-            for (at, _), (completed, duration, cpu, _ipc, started_load) in zip(runs, measured, strict=True):
-                note(served_result(RESULT_NAME, at, completed, duration, started_load, cpu))
+            self.run_vllm_backend(system, load_before)
         elif system == "hf-continuous":
             from perf.compare.transformers_continuous import run_transformers_continuous
 
-            done = run_transformers_continuous(model_dir, offline_requests, progress_interval_s=args.progress_interval)
-            extra["hf-continuous"] = done.get("config", {})
-            note(SystemResult.offline("transformers continuous batching (ContinuousBatchingManager)", done,
-                                      offline.label, load=(load_before, os.getloadavg()[0])))
+            done = run_transformers_continuous(self.model_dir, self.token_runs[0][1],
+                                               progress_interval_s=self.args.progress_interval)
+            self.extra["hf-continuous"] = done.get("config", {})
+            self.note(SystemResult.offline("transformers continuous batching (ContinuousBatchingManager)", done,
+                                           self.offline.label, load=(load_before, os.getloadavg()[0])))
         elif system == "hf-static":
             from perf.compare.transformers_static import run_static
 
-            done = run_static(model_dir, offline_requests, args.static_batch_size, dtype=args.dtype)
-            note(SystemResult.offline(f"transformers static batching (batch {args.static_batch_size})", done,
-                                      offline.label, load=(load_before, os.getloadavg()[0])))
+            done = run_static(self.model_dir, self.token_runs[0][1], self.args.static_batch_size, dtype=self.args.dtype)
+            self.note(SystemResult.offline(f"transformers static batching (batch {self.args.static_batch_size})", done,
+                                           self.offline.label, load=(load_before, os.getloadavg()[0])))
 
-    document = {
-        "tool": "perf.compare", "created": now_iso(), "git": git_state(), "machine": machine_info(),
-        "workload": {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
-                     "arrival": pattern.to_dict(), "seed": args.seed, "dtype": args.dtype,
-                     **({"arrivals": [p.to_dict() for p in patterns]} if len(patterns) > 1 else {}),
-                     "triton_client": args.triton_client,
-                     "prompt_tokens": sum(i.num_input_tokens for i in items),
-                     "output_tokens": sum(i.max_tokens for i in items)},
-        "model_dir": model_dir, "engine_config": str(engine_config), "systems": extra,
-        "results": [r.to_dict() for r in results], "finished_at": time.time(),
-    }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    report = markdown_report(document, results)
-    if args.repeat > 1:
-        report += "\n" + medians_report(results)
-    print("\n" + report)
-    (args.out_dir / "compare.md").write_text(report)
-    (args.out_dir / "compare.json").write_text(json.dumps(document, indent=2))
-    print(write_plot(results, args.out_dir / "compare.png"))
+    def run_triton_system(self, system: str, load_before: float) -> None:
+        measured = run_triton(self.args, system, self.runs, self.warmup, load_before)
+        for (at, _), (completed, duration, cpu, ipc, started_load) in zip(self.runs, measured, strict=True):
+            if ipc is not None:
+                self.extra.setdefault("engine_core_ipc", {})[self.key(system, at, True)] = ipc
+                print(f"  engine-core IPC per step: median {ipc['median_us']:.0f} us over {ipc['count']} steps")
+            self.note(self.served_result(TRITON_SYSTEMS[system][3], at, completed, duration, started_load, cpu))
+
+    def run_engine(self, system: str, load_before: float) -> None:
+        from perf.compare.engine_in_process import run_engine_in_process
+
+        overrides = {"dtype": self.args.dtype}
+        name = "our engine in-process"
+        if system == "engine-torch-attention":  # the torch path: no CPU kernel at all
+            overrides["attention_backend"] = "torch"
+            name += ", torch attention"
+        if system == "engine-no-fused-ops":  # the attention kernels, torch for the layers' small ops
+            overrides["cpu_fused_ops"] = "false"
+            name += ", no fused ops"
+        for at, requests in self.token_runs:
+            records, duration, summary = run_engine_in_process(self.model_folder, requests, at, overrides,
+                                                               self.args.seed, self.args.progress_interval)
+            self.extra[self.key(system, at, False)] = summary
+            result = SystemResult.from_metrics(name, compute_metrics(records, duration),
+                                               at.label, load=(load_before, os.getloadavg()[0]))
+            result.server_cpu_s = summary["cpu_s"]
+            result.cpu_s_by_process = {"engine (in-process)": summary["cpu_s"]}
+            self.note(result)
+            load_before = os.getloadavg()[0]
+
+    def run_vllm(self) -> None:
+        from perf.compare.vllm_server import vllm_version
+
+        self.extra["vllm"] = {"versions": vllm_version(), "setups": {}}
+        for setup in [s.strip() for s in self.args.vllm_setups.split(",") if s.strip()]:
+            self.run_vllm_setup(setup)
+
+    def run_vllm_setup(self, setup: str) -> None:
+        from perf.compare.vllm_server import SERVED_MODEL_NAME, start_vllm
+
+        args, scheduler = self.args, self.engine_config.scheduler
+        load_before = os.getloadavg()[0]
+        print(f"starting vLLM ({setup})...", flush=True)
+        server = start_vllm(self.model_dir, setup, args.dtype, self.max_model_len, scheduler.max_num_seqs,
+                            args.vllm_kv_cache_gib, log_dir=args.out_dir,
+                            max_num_batched_tokens=scheduler.max_num_batched_tokens)
+        measured = []
+        try:
+            run_workload(server.url, SERVED_MODEL_NAME, self.warmup, ArrivalPattern("concurrency", 1), api=API_OPENAI)
+            settle(server.process.pid)
+            for at, run_items in self.runs:
+                cpu = CpuMeter(server.process.pid)
+                with Progress(f"vllm-{setup} " + at.label, len(run_items), args.progress_interval) as progress:
+                    completed, duration = run_workload(server.url, SERVED_MODEL_NAME, run_items, at,
+                                                       seed=args.seed, progress=progress, api=API_OPENAI)
+                cpu.stop()
+                measured.append((at, completed, duration, load_before, cpu))
+                load_before = os.getloadavg()[0]
+        finally:
+            server.stop()
+        self.extra["vllm"]["setups"][setup] = {"env": server.env, "log": str(server.log_path)}
+        for at, completed, duration, started_load, cpu in measured:
+            self.note(self.served_result(f"vLLM CPU, {setup} (OpenAI streaming)", at, completed, duration,
+                                         started_load, cpu))
+
+    def run_vllm_backend(self, system: str, load_before: float) -> None:
+        from perf.compare.vllm_backend import RESULT_NAME, run_vllm_backend
+
+        scheduler = self.engine_config.scheduler
+        measured, self.extra[system] = run_vllm_backend(self.args, self.runs, self.warmup, load_before, self.model_dir,
+                                                        self.max_model_len, scheduler.max_num_seqs,
+                                                        scheduler.max_num_batched_tokens)
+        for (at, _), (completed, duration, cpu, _ipc, started_load) in zip(self.runs, measured, strict=True):
+            self.note(self.served_result(RESULT_NAME, at, completed, duration, started_load, cpu))
+
+    def write(self) -> None:
+        """compare.md, compare.json and compare.png under --out-dir; the report printed."""
+        args, items, pattern = self.args, self.items, self.runs[0][0]
+        document = {
+            "tool": "perf.compare", "created": now_iso(), "git": git_state(), "machine": machine_info(),
+            "workload": {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+                         "arrival": pattern.to_dict(), "seed": args.seed, "dtype": args.dtype,
+                         **({"arrivals": [p.to_dict() for p in self.patterns]} if len(self.patterns) > 1 else {}),
+                         "triton_client": args.triton_client,
+                         "prompt_tokens": sum(i.num_input_tokens for i in items),
+                         "output_tokens": sum(i.max_tokens for i in items)},
+            "model_dir": self.model_dir, "engine_config": str(self.engine_config), "systems": self.extra,
+            "results": [r.to_dict() for r in self.results], "finished_at": time.time(),
+        }
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        report = markdown_report(document, self.results)
+        if args.repeat > 1:
+            report += "\n" + medians_report(self.results)
+        print("\n" + report)
+        (args.out_dir / "compare.md").write_text(report)
+        (args.out_dir / "compare.json").write_text(json.dumps(document, indent=2))
+        print(write_plot(self.results, args.out_dir / "compare.png"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(ALL_SYSTEMS))
+    if unknown:
+        print(f"error: --systems: unknown {unknown}; choose from {', '.join(ALL_SYSTEMS)}", file=sys.stderr)
+        return 2
+    try:
+        patterns = arrival_patterns(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    session = CompareSession(args, patterns)
+    items = session.items
+    print(f"workload: {len(items)} requests, {sum(i.num_input_tokens for i in items)} prompt tokens, "
+          f"{sum(i.max_tokens for i in items)} output tokens, {', '.join(p.label for p in patterns)}; "
+          f"dtype {args.dtype}", flush=True)
+    for run, system in [(r, s) for r in range(args.repeat) for s in systems]:
+        session.current_run = run
+        session.run_system(system)
+    session.write()
     return 0
 
 

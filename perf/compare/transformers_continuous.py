@@ -99,7 +99,6 @@ def _run(
     """Runs ``requests`` through a fresh continuous-batching manager on ``model``; returns (result dict, tokens)."""
     import torch
     import transformers
-    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     if not requests:
         raise ValueError("no requests")
@@ -107,6 +106,35 @@ def _run(
         if not prompt or num_out < 1:
             raise ValueError(f"request {index}: needs a non-empty prompt and >= 1 output token, got "
                              f"{len(prompt)} prompt tokens, {num_out} outputs")
+    generation_config, cb_config = _configs(model, requests)
+    with torch.inference_mode():  # start() captures the caller's inference mode for the generation thread
+        manager = model.init_continuous_batching(generation_config=generation_config,
+                                                 continuous_batching_config=cb_config)
+        manager.start()
+        try:
+            _warm_up(manager, requests)
+            config = _describe(model, manager, transformers.__version__)
+            stream = _Stream(requests, label)
+            stream.run(manager, progress_interval_s)
+        finally:
+            manager.stop(block=True, timeout=60)
+            manager.destroy()
+    seconds = stream.end - stream.t0
+    per_request = []
+    for i, (_, num_out) in enumerate(requests):
+        got = len(stream.tokens[i])
+        if got != num_out:
+            raise RuntimeError(f"request {i}: asked for {num_out} output tokens, transformers produced {got}")
+        per_request.append({"ttft_s": stream.ttft[i], "e2e_s": stream.e2e[i], "num_output_tokens": got})
+    output_tokens = sum(r["num_output_tokens"] for r in per_request)
+    print(f"  {label}: {output_tokens} tokens in {seconds:.2f} s, {output_tokens / seconds:.1f} tok/s", flush=True)
+    return ({"output_tokens": output_tokens, "seconds": seconds, "per_request": per_request, "config": config},
+            stream.tokens)
+
+
+def _configs(model, requests: list[tuple[list[int], int]]):
+    """(GenerationConfig, ContinuousBatchingConfig): greedy, forced lengths, our engine's batch limits."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     generation_config = GenerationConfig(
         do_sample=False, max_new_tokens=max(n for _, n in requests), eos_token_id=NO_EOS,
@@ -125,78 +153,71 @@ def _run(
         scheduler_type="fifo",
         safety_margin=FIFO_SAFETY_MARGIN,
     )
+    return generation_config, cb_config
 
-    n = len(requests)
-    ids = [f"bench-{i}" for i in range(n)]
-    index_of = {request_id: i for i, request_id in enumerate(ids)}
-    counts = [0] * n  # tokens generated so far, per request (from the stream)
-    ttft: list[float | None] = [None] * n  # s from t0 to the request's first token
-    e2e: list[float | None] = [None] * n  # s from t0 to the request's last token
-    tokens: list[list[int] | None] = [None] * n  # final generated ids, per request
 
-    with torch.inference_mode():  # start() captures the caller's inference mode for the generation thread
-        manager = model.init_continuous_batching(generation_config=generation_config,
-                                                 continuous_batching_config=cb_config)
-        manager.start()
-        try:
-            # Untimed warm-up: a 2-request batch with a prefill and a few decode steps, on the same manager.
-            warm = [list(prompt[:16]) for prompt, _ in requests[:2]]
-            for i, prompt in enumerate(warm):
-                manager.add_request(prompt, request_id=f"warmup-{i}", max_new_tokens=4, eos_token_id=NO_EOS)
-            for _ in warm:
-                out = _next_result(manager, timeout_s=300.0)
-                if out.error is not None:
-                    raise RuntimeError(f"warm-up request {out.request_id} failed: {out.error}")
+def _warm_up(manager, requests: list[tuple[list[int], int]]) -> None:
+    """Untimed: a 2-request batch with a prefill and a few decode steps, on the same manager."""
+    warm = [list(prompt[:16]) for prompt, _ in requests[:2]]
+    for i, prompt in enumerate(warm):
+        manager.add_request(prompt, request_id=f"warmup-{i}", max_new_tokens=4, eos_token_id=NO_EOS)
+    for _ in warm:
+        out = _next_result(manager, timeout_s=300.0)
+        if out.error is not None:
+            raise RuntimeError(f"warm-up request {out.request_id} failed: {out.error}")
 
-            config = _describe(model, manager, transformers.__version__)
 
-            # All requests reach the scheduler in one step: the loop is paused while they are added.
-            with manager.pause():
-                t0 = time.perf_counter()
-                for request_id, (prompt, num_out) in zip(ids, requests, strict=True):
-                    manager.add_request(list(prompt), request_id=request_id, max_new_tokens=num_out,
-                                        eos_token_id=NO_EOS, streaming=True, record_timestamps=True)
+class _Stream:
+    """The timed run: every request added at once, then each streamed result recorded."""
 
-            finished, last_report, end = 0, t0, t0
-            while finished < n:
-                out = manager.get_result(timeout=min(0.5, max(0.05, progress_interval_s)))
-                now = time.perf_counter()
-                if out is None:
-                    if not manager.is_running():
-                        raise RuntimeError(f"generation thread stopped with {n - finished} requests unfinished: "
-                                           f"{manager.background_thread_status.fatal_error}")
-                elif out.request_id in index_of:
-                    i = index_of[out.request_id]
-                    if out.error is not None:
-                        raise RuntimeError(f"request {i} failed: {out.error}")
-                    counts[i] = len(out.generated_tokens)
-                    if ttft[i] is None and out.generated_tokens:
-                        first = out.timestamps[0] if out.timestamps else now
-                        ttft[i] = first - t0
-                    if out.is_finished():
-                        tokens[i] = list(out.generated_tokens)
-                        e2e[i] = (out.lifespan[1] if out.lifespan[1] > 0 else now) - t0
-                        finished += 1
-                        end = now
-                if now - last_report >= progress_interval_s:
-                    last_report = now
-                    done_tokens = sum(counts)
-                    print(f"  {label}: {done_tokens} tokens, {done_tokens / (now - t0):.0f} tok/s, "
-                          f"{finished}/{n} requests done", flush=True)
-        finally:
-            manager.stop(block=True, timeout=60)
-            manager.destroy()
+    def __init__(self, requests: list[tuple[list[int], int]], label: str):
+        self.requests, self.label = requests, label
+        n = len(requests)
+        self.ids = [f"bench-{i}" for i in range(n)]
+        self.index_of = {request_id: i for i, request_id in enumerate(self.ids)}
+        self.counts = [0] * n  # tokens generated so far, per request (from the stream)
+        self.ttft: list[float | None] = [None] * n  # s from t0 to the request's first token
+        self.e2e: list[float | None] = [None] * n  # s from t0 to the request's last token
+        self.tokens: list[list[int] | None] = [None] * n  # final generated ids, per request
+        self.finished = 0
+        self.t0 = self.end = 0.0
 
-    seconds = end - t0
-    per_request = []
-    for i, (_, num_out) in enumerate(requests):
-        got = len(tokens[i])
-        if got != num_out:
-            raise RuntimeError(f"request {i}: asked for {num_out} output tokens, transformers produced {got}")
-        per_request.append({"ttft_s": ttft[i], "e2e_s": e2e[i], "num_output_tokens": got})
-    output_tokens = sum(r["num_output_tokens"] for r in per_request)
-    print(f"  {label}: {output_tokens} tokens in {seconds:.2f} s, {output_tokens / seconds:.1f} tok/s", flush=True)
-    return {"output_tokens": output_tokens, "seconds": seconds, "per_request": per_request, "config": config}, tokens
+    def run(self, manager, progress_interval_s: float) -> None:
+        # All requests reach the scheduler in one step: the loop is paused while they are added.
+        with manager.pause():
+            self.t0 = time.perf_counter()
+            for request_id, (prompt, num_out) in zip(self.ids, self.requests, strict=True):
+                manager.add_request(list(prompt), request_id=request_id, max_new_tokens=num_out,
+                                    eos_token_id=NO_EOS, streaming=True, record_timestamps=True)
+        n, last_report, self.end = len(self.requests), self.t0, self.t0
+        while self.finished < n:
+            out = manager.get_result(timeout=min(0.5, max(0.05, progress_interval_s)))
+            now = time.perf_counter()
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"generation thread stopped with {n - self.finished} requests unfinished: "
+                                       f"{manager.background_thread_status.fatal_error}")
+            elif out.request_id in self.index_of:
+                self._record(out, now)
+            if now - last_report >= progress_interval_s:
+                last_report = now
+                done_tokens = sum(self.counts)
+                print(f"  {self.label}: {done_tokens} tokens, {done_tokens / (now - self.t0):.0f} tok/s, "
+                      f"{self.finished}/{n} requests done", flush=True)
+
+    def _record(self, out, now: float) -> None:
+        i = self.index_of[out.request_id]
+        if out.error is not None:
+            raise RuntimeError(f"request {i} failed: {out.error}")
+        self.counts[i] = len(out.generated_tokens)
+        if self.ttft[i] is None and out.generated_tokens:
+            first = out.timestamps[0] if out.timestamps else now
+            self.ttft[i] = first - self.t0
+        if out.is_finished():
+            self.tokens[i] = list(out.generated_tokens)
+            self.e2e[i] = (out.lifespan[1] if out.lifespan[1] > 0 else now) - self.t0
+            self.finished += 1
+            self.end = now
 
 
 def _next_result(manager, timeout_s: float):
