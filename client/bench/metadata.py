@@ -13,10 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from backend.paths import REPO_ROOT
+# The checkout this client runs from (client/ and data/ ship in one repository): its commit is
+# what a report records, and data/ holds the default corpus.
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
-def git_state(repo: Path = REPO_ROOT) -> dict:
+def git_state(repo: Path = CHECKOUT) -> dict:
     """Commit hash and whether tracked files differ from it (None when git is unavailable)."""
 
     def git(*args: str) -> str | None:

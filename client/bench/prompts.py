@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.engine.tokenizer import load_tokenizer
-from backend.paths import REPO_ROOT
+from client.bench.metadata import CHECKOUT
 
-DEFAULT_CORPUS = REPO_ROOT / "data" / "demo_corpus.txt"
+DEFAULT_CORPUS = CHECKOUT / "data" / "demo_corpus.txt"
 MAX_CORPUS_CHARS = 300_000  # plenty of distinct slices; keeps start-up short
 MAX_ATTEMPTS = 64
 
@@ -35,8 +34,11 @@ class PromptBuilder:
         tokenizer_file = Path(tokenizer_dir) / "tokenizer.json"
         if not tokenizer_file.exists():
             raise PromptError(f"{tokenizer_file} not found (build the demo model with `make setup`)")
-        # The server's tokenizer (the class AutoTokenizer picks), through its Rust tokenizer's API.
-        self.tokenizer = load_tokenizer(str(tokenizer_dir)).backend_tokenizer
+        # AutoTokenizer's tokenizer, whose ids the server's loader gives exactly (backend/engine/tokenizer.py,
+        # tests/unit/test_tokenizer_loader.py), through its Rust tokenizer's API.
+        from transformers import AutoTokenizer  # noqa: PLC0415 (torch: only where prompts are built)
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)).backend_tokenizer
         self.tokenizer_dir = str(tokenizer_dir)
         self.num_special_tokens = len(self.tokenizer.encode("", add_special_tokens=True).ids)
         corpus = self._read_corpus(corpus_path)

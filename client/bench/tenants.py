@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.kv_cache.block_pool import hash_block_tokens
 from client.bench.lengths import LengthDistribution
 from client.bench.prompts import PromptBuilder, PromptError
 from client.bench.workload import WorkItem
@@ -81,14 +80,14 @@ def build_tenant_workload(builder: PromptBuilder, tenants: Tenants, output_lengt
 
 def prefix_reuse(builder: PromptBuilder, items: list[WorkItem], block_size: int = 16) -> dict:
     """Prompt tokens in full blocks an unbounded prefix cache would hit, in request order."""
-    seen: set[int] = set()  # the engine's prefix-cache keys: chained block hashes
+    seen: set[int] = set()  # chained block keys, as a prefix cache chains its block hashes
     total = hit = 0
     for item in items:
         ids = builder.tokenizer.encode(item.prompt, add_special_tokens=True).ids
         total += len(ids)
         key = None
         for end in range(block_size, len(ids) + 1, block_size):
-            key = hash_block_tokens(key, ids[end - block_size:end])
+            key = hash((key, tuple(ids[end - block_size:end])))
             if key in seen:
                 hit += block_size
             else:
