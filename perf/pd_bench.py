@@ -39,7 +39,7 @@ from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.progress import Progress
 from client.bench.prompts import PromptBuilder
 from client.bench.report import MISSING_MATPLOTLIB, save_figure, write_json
-from client.bench.runner import API_OPENAI, _User
+from client.bench.runner import API_OPENAI, SimulatedUser
 from client.bench.stats import summarize_ms
 from client.bench.workload import WorkItem
 from deploy.replica_metrics import read_counters
@@ -82,7 +82,7 @@ def run(url: str, workload: Workload, args) -> dict:
     items = iter(workload.steady)
 
     def steady_user() -> None:
-        user = _User(url, "llm", args.timeout, API_OPENAI)
+        user = SimulatedUser(url, "llm", args.timeout, API_OPENAI)
         try:
             while not stop.is_set():
                 with lock:
@@ -96,7 +96,7 @@ def run(url: str, workload: Workload, args) -> dict:
             user.close()
 
     def burst_user(item: WorkItem) -> None:
-        user = _User(url, "llm", args.timeout, API_OPENAI)
+        user = SimulatedUser(url, "llm", args.timeout, API_OPENAI)
         try:
             record = user.run(item, progress).record
             with lock:

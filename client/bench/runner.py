@@ -97,7 +97,7 @@ def completed_request(item: WorkItem, result, progress: Progress) -> CompletedRe
     return CompletedRequest(record, result.finish_reason, item.max_tokens, item.num_input_tokens, result.text)
 
 
-class _User:
+class SimulatedUser:
     """One simulated user: a lazily opened stream, reopened after a failure, or its requests on the
     stream every user shares (``shared``), or a stream per request opened with ``headers(item)``."""
 
@@ -199,7 +199,7 @@ def run_workload(
     shared = SharedStream(url, model) if shared_stream and api == API_TRITON and headers is None else None
 
     def serve_user() -> None:
-        user = _User(url, model, timeout_s, api, shared, headers)
+        user = SimulatedUser(url, model, timeout_s, api, shared, headers)
         try:
             while True:
                 index = work.get()
