@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +44,7 @@ from client.bench.prompts import PromptBuilder
 from client.bench.workload import SharedPrefix
 from client.stream import StreamingClient
 from perf import engine_driver
+from perf.compare.histogram import model_values
 from perf.served import RESULTS_DIR, tritonserver, write_report
 
 SYSTEMS = ("recompute", "disk tier", "host tier")
@@ -220,10 +220,10 @@ def served_main(args: argparse.Namespace, argv: list[str] | None) -> int:
             computed.append(seconds(asked))
             for _ in range(3):
                 seconds(builder.prompt(args.prefix_tokens, rng))
-            before = counter_values(server.metrics_url, counters)
+            before = model_values(server.metrics_url, counters)
             restored_seconds.append(seconds(asked))
-            restored, recomputed = (b - a for a, b in zip(before, counter_values(server.metrics_url, counters),
-                                                          strict=True))
+            after = model_values(server.metrics_url, counters)
+            restored, recomputed = (after.get(name, 0.0) - before.get(name, 0.0) for name in counters)
             rows.append(f"| {trial + 1} | {computed[-1] * 1000:.0f} | {restored_seconds[-1] * 1000:.0f} | "
                         f"{computed[-1] / restored_seconds[-1]:.1f}x | {restored:.0f} | {recomputed:.0f} |")
             print(rows[-1], flush=True)
@@ -249,17 +249,6 @@ def served_main(args: argparse.Namespace, argv: list[str] | None) -> int:
                                             "num_blocks": num_blocks, "policy": args.policy}, markdown)
     return 0
 
-
-def counter_values(metrics_url: str, names: tuple[str, ...]) -> list[float]:
-    """The `llm` model's values of these counters on Triton's metrics endpoint."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    values = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        name = line.partition("{")[0]
-        if name in values and 'model="llm"' in line:
-            values[name] = float(line.rpartition(" ")[2])
-    return list(values.values())
 
 
 if __name__ == "__main__":

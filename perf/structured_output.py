@@ -24,12 +24,12 @@ import json
 import statistics
 import sys
 import time
-import urllib.request
 
 from client.bench.arrivals import ArrivalPattern
 from client.bench.runner import CompletedRequest, run_workload
 from client.bench.stats import compute_metrics, percentile
 from client.bench.workload import WorkItem
+from perf.compare.histogram import model_values
 from perf.served import add_server_arguments, report_dir, served, write_report
 from tests.unit.structured_output_schemas import SCHEMAS
 
@@ -61,16 +61,12 @@ def run_load(url: str, items: list[WorkItem], concurrency: int, timeout: float) 
             "finished_stop": sum(c.finish_reason == "stop" for c in completed if not c.record.error)}
 
 
+COMPILE_SERIES = ("llm_structured_output_compile_seconds_sum", "llm_structured_output_compile_seconds_count",
+                  "llm_structured_output_cache_hits_total", "llm_structured_output_compiles_total")
+
+
 def server_compile_metrics(http_metrics_url: str) -> dict:
-    with urllib.request.urlopen(http_metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        for name in ("llm_structured_output_compile_seconds_sum", "llm_structured_output_compile_seconds_count",
-                     "llm_structured_output_cache_hits_total", "llm_structured_output_compiles_total"):
-            if line.startswith(name + "{") and 'model="llm"' in line:
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values
+    return model_values(http_metrics_url, COMPILE_SERIES)
 
 
 def local_compile_times(tokenizer_dir: str) -> dict:

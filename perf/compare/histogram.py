@@ -1,4 +1,5 @@
-"""A Prometheus histogram read off a server's /metrics, and its median between two readings.
+"""Prometheus series read off a server's /metrics: a model's values by name, a histogram, and its
+median between two readings.
 
 The median is interpolated inside the bucket that holds it (as Prometheus' histogram_quantile
 does), so it is as fine as the buckets: backend/triton/metrics.py's IPC buckets step by 50-250 us
@@ -11,6 +12,19 @@ import re
 import urllib.request
 
 _BUCKET = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)_bucket\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$')
+
+
+def model_values(metrics_url: str, names: tuple[str, ...], model: str = "llm") -> dict[str, float]:
+    """{name: value} of the series ``names`` (counters, gauges, a histogram's _sum and _count) that
+    carry ``model``'s label; a name the server does not report is left out."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name = line.partition("{")[0]
+        if name in names and f'model="{model}"' in line:
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return values
 
 
 def scrape_histogram(metrics_url: str, name: str) -> dict[float, float]:
