@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from backend.config import KVTransferConfig, StructuredOutputConfig
+from backend.config import KVTransferConfig, SchedulerConfig, StructuredOutputConfig
 from backend.lora.registry import AdapterRegistry, LoRAConfigError
 from backend.protocol.kv_transfer import KVTransferParamsError, check_against
 from backend.protocol.sampling import SamplingParams, SamplingParamsError
@@ -27,11 +27,12 @@ class EngineInputError(ValueError):
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
                  structured_output: StructuredOutputConfig | None = None,
-                 kv_transfer: KVTransferConfig | None = None, lora: AdapterRegistry | None = None):
+                 kv_transfer: KVTransferConfig | None = None, lora: AdapterRegistry | None = None,
+                 default_max_tokens: int = SchedulerConfig().default_max_tokens):
         """``structured_output``: the budget a constraint must fit (backend/structured_output/budget.py);
         None checks no budget here (the engine still does when the request is added). ``kv_transfer``:
         this engine's role in disaggregated serving and the peers it may pull from. ``lora``: the
-        adapters it serves (None: none)."""
+        adapters it serves (None: none). ``default_max_tokens``: config.pbtxt's, for a request that names none."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -39,6 +40,7 @@ class InputProcessor:
         self.kv_transfer = kv_transfer or KVTransferConfig()
         self._peers = self.kv_transfer.peers
         self.lora = lora
+        self.default_max_tokens = default_max_tokens
         self._valid_constraints: OrderedDict[str, None] = OrderedDict()  # cache keys, LRU
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -58,12 +60,18 @@ class InputProcessor:
         except Exception as exc:  # a template may raise on role orders it does not support
             raise EngineInputError(f"messages: the chat template refused them ({type(exc).__name__}: {exc})") from None
 
+    def apply_defaults(self, params: SamplingParams) -> None:
+        """Fills in what the request left to the model (the one place a default is chosen)."""
+        if params.max_tokens is None:
+            params.max_tokens = self.default_max_tokens
+
     def check_sampling_params(self, params: SamplingParams) -> None:
         """The one check of a request's sampling parameters; raises EngineInputError naming the field.
 
         What depends on the prompt (its length against max_model_len and the KV pool) is checked
         by the engine once the request arrives (``LLMEngine.add_request``).
         """
+        self.apply_defaults(params)
         try:
             params.validate()
         except SamplingParamsError as exc:

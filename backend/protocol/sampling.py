@@ -31,7 +31,7 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     """Per-request sampling settings (vLLM names). temperature 0 means greedy."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = None  # None: the model's default_max_tokens, filled in by the one check (InputProcessor)
     min_tokens: int = 0  # EOS and stop token ids are ignored before this many outputs
     temperature: float = 0.0
     top_p: float = 1.0
@@ -65,11 +65,11 @@ class SamplingParams:
         Where Triton's input (TensorRT-LLM's name) and vLLM's key differ, the message names both
         (``min_length/min_tokens``, ``random_seed/seed``): the same text reaches every client.
         """
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
             raise SamplingParamsError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.min_tokens < 0:
             raise SamplingParamsError(f"min_length/min_tokens must be >= 0, got {self.min_tokens}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamsError(
                 f"min_length/min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )

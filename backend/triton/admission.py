@@ -31,13 +31,12 @@ OnAccept = Callable[[ResponseState, object], None]  # (the request's state, its 
 
 
 class RequestAdmission:
-    def __init__(self, pb, engine: EngineClient, inputs: InputProcessor, default_max_tokens: int,
+    def __init__(self, pb, engine: EngineClient, inputs: InputProcessor,
                  max_prompt_bytes: int | None = None, stream_interval: int = 1,
                  priorities: ClientPriorityRange = DEFAULT_PRIORITY_RANGE):
         self.pb = pb
         self.engine = engine
         self.inputs = inputs
-        self.default_max_tokens = default_max_tokens
         self.max_prompt_bytes = max_prompt_bytes
         self.stream_interval = stream_interval  # config.pbtxt's; a request's sampling_parameters may override it
         self.priorities = priorities  # what a client may claim (backend/triton/client_priority.py)
@@ -62,8 +61,7 @@ class RequestAdmission:
             self._answer_adapters(sender, get_input)
             return None
         try:
-            parsed = parse_request(get_input, self.default_max_tokens,
-                                   self.inputs.check_sampling_params, self.max_prompt_bytes)
+            parsed = parse_request(get_input, self.inputs.check_sampling_params, self.max_prompt_bytes)
             self.priorities.apply(parsed.sampling_params)
             if parsed.lora_task_id is not None:  # TensorRT-LLM's way of naming the adapter
                 parsed.sampling_params.lora_name = self.inputs.resolve_lora(parsed.sampling_params.lora_name,

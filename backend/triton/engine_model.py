@@ -52,7 +52,7 @@ def start_engine(engine: EngineClient, model_name: str, config: EngineConfig) ->
         except CoreStartError as exc:
             raise ConfigError(f"model '{model_name}': {exc}") from None
         return InputProcessor(tokenizer.result(), ready.vocab_size, ready.max_model_len, config.structured_output,
-                              config.kv_transfer, lora_registry(config))
+                              config.kv_transfer, lora_registry(config), config.scheduler.default_max_tokens)
 
 
 def lora_registry(config: EngineConfig):

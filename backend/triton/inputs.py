@@ -166,19 +166,19 @@ def as_bool(name: str, value, text_ok: bool = False) -> bool:
 
 def parse_request(
     get_input: GetInput,
-    default_max_tokens: int,
     check: Callable[[SamplingParams], None],
     max_prompt_bytes: int | None = None,
 ) -> ParsedRequest:
     """Reads the input tensors of one request (docs/llm-model.md, "The `llm` model's tensors"); raises InputError naming the bad field.
 
     The values are read here; whether they are valid is the engine's one check
-    (``LLMEngine.check_sampling_params``, passed as ``check``), whose message becomes the
+    (``LLMEngine.check_sampling_params``, passed as ``check``; it also fills in the defaults, such as
+    max_tokens), whose message becomes the
     InputError's as it is. Nothing else escapes: whatever a hostile request holds, the caller gets
     an InputError or a ParsedRequest (an unexpected failure becomes an InputError naming the request).
     """
     try:
-        return _parse_request(get_input, default_max_tokens, check, max_prompt_bytes)
+        return _parse_request(get_input, check, max_prompt_bytes)
     except InputError:
         raise
     except RecursionError:
@@ -187,7 +187,7 @@ def parse_request(
         raise InputError(f"request: could not be read ({type(exc).__name__}: {exc})") from None
 
 
-def _parse_request(get_input: GetInput, default_max_tokens: int, check: Callable[[SamplingParams], None],
+def _parse_request(get_input: GetInput, check: Callable[[SamplingParams], None],
                    max_prompt_bytes: int | None) -> ParsedRequest:
     prompt, messages = _prompt_or_messages(get_input, max_prompt_bytes)
 
@@ -239,7 +239,6 @@ def _parse_request(get_input: GetInput, default_max_tokens: int, check: Callable
     if returns.needs_logprobs:
         values["logprobs"] = True
 
-    values.setdefault("max_tokens", default_max_tokens)
     task_id = scalar(get_input, "lora_task_id")
     task_id = None if task_id is None else _as_int("lora_task_id", task_id)
     params = SamplingParams(**values)

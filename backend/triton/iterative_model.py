@@ -76,7 +76,7 @@ class IterativeDriver:
     no lock.
     """
 
-    def __init__(self, pb, engine: StepOnDemandClient, inputs, model_name: str, default_max_tokens: int,
+    def __init__(self, pb, engine: StepOnDemandClient, inputs, model_name: str,
                  metrics=None, max_prompt_bytes: int | None = None, stream_interval: int = 1,
                  priorities: ClientPriorityRange = DEFAULT_PRIORITY_RANGE):
         self.pb = pb
@@ -84,7 +84,7 @@ class IterativeDriver:
         self.inputs = inputs
         self.model_name = model_name
         self.metrics = metrics
-        self.admission = RequestAdmission(pb, engine, inputs, default_max_tokens, max_prompt_bytes, stream_interval,
+        self.admission = RequestAdmission(pb, engine, inputs, max_prompt_bytes, stream_interval,
                                           priorities)
         self.sequences: dict[object, Sequence] = {}  # correlation id -> sequence
         self._by_request_id: dict[str, object] = {}  # engine request id -> correlation id
@@ -284,8 +284,7 @@ class TritonPythonModel(EngineModel):
     step_on_demand = True
 
     def start_serving(self) -> None:
-        self.driver = IterativeDriver(self.pb, self.engine, self.inputs, self.model_name,
-                                      self.config.scheduler.default_max_tokens, self.metrics,
+        self.driver = IterativeDriver(self.pb, self.engine, self.inputs, self.model_name, self.metrics,
                                       self.config.model.prompt_byte_limit, self.stream_interval,
                                       self.client_priorities)
         # See the module docstring: the engine is much slower on the stub's main thread. It is

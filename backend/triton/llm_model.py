@@ -29,8 +29,7 @@ class TritonPythonModel(EngineModel):
     """Triton's entry points; model_repository/llm/1/model.py re-exports this class."""
 
     def start_serving(self) -> None:
-        self.admission = RequestAdmission(self.pb, self.engine, self.inputs, self.config.scheduler.default_max_tokens,
-                                          self.config.model.prompt_byte_limit, self.stream_interval,
+        self.admission = RequestAdmission(self.pb, self.engine, self.inputs, self.config.model.prompt_byte_limit, self.stream_interval,
                                           self.client_priorities)
         self.responder = Responder(self.pb, self.engine, self.metrics, self.inputs.tokenizer,
                                    coalesce=self.response_coalescing)

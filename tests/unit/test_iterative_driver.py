@@ -99,6 +99,7 @@ class FakeCore:
 
 class FakeInputs:
     def check_sampling_params(self, params):
+        params.max_tokens = 4 if params.max_tokens is None else params.max_tokens  # the model's default_max_tokens
         params.validate()
 
     def tokenize(self, prompt, add_special_tokens=True):
@@ -133,8 +134,7 @@ class FakeMetrics:
 
 def make_driver(metrics=None):
     core = FakeCore()
-    return IterativeDriver(make_pb(), StepOnDemandClient(core, max_queue_len=8), FakeInputs(), "m",
-                           default_max_tokens=4, metrics=metrics), core
+    return IterativeDriver(make_pb(), StepOnDemandClient(core, max_queue_len=8), FakeInputs(), "m", metrics=metrics), core
 
 
 def texts(sender):

@@ -50,9 +50,8 @@ CASES = [
 
 @pytest.mark.parametrize(("inputs", "params", "field"), CASES, ids=[c[2] + str(i) for i, c in enumerate(CASES)])
 def test_triton_and_the_engine_refuse_a_field_with_the_same_message(engine, inputs, params, field):
-    default_max_tokens = SamplingParams().max_tokens  # what the engine-side requests get when unset
     with pytest.raises(InputError) as through_triton:
-        parse_request(tensor_inputs(**inputs), default_max_tokens, engine.check_sampling_params)
+        parse_request(tensor_inputs(**inputs), engine.check_sampling_params)
     with pytest.raises(EngineInputError) as through_engine:
         engine.add_request(f"r-{field}", prompt_token_ids=[1, 2, 3], sampling_params=params)
     assert str(through_triton.value) == str(through_engine.value)

@@ -29,11 +29,11 @@ def tensors(**values):
 
 # The engine's one check, on an engine of max_model_len 1001 and a 50,000-token vocabulary (the
 # method needs nothing else of the engine).
-CHECK = InputProcessor(None, vocab_size=50000, max_model_len=1001).check_sampling_params
+CHECK = InputProcessor(None, vocab_size=50000, max_model_len=1001, default_max_tokens=32).check_sampling_params
 
 
 def parse(**values):
-    return parse_request(tensors(**values), default_max_tokens=32, check=CHECK)
+    return parse_request(tensors(**values), check=CHECK)
 
 
 def test_defaults_and_single_inputs():
@@ -108,9 +108,9 @@ def test_hostile_values_get_an_input_error_naming_the_field(values, message):
 
 def test_prompt_bytes_are_capped_before_decoding():
     get = tensors(text_input="ab" * 600)
-    assert parse_request(get, 32, CHECK, max_prompt_bytes=1200).prompt == "ab" * 600
+    assert parse_request(get, CHECK, max_prompt_bytes=1200).prompt == "ab" * 600
     with pytest.raises(InputError, match=r"^text_input: 1202 bytes; the limit is 1200"):
-        parse_request(tensors(text_input="ab" * 601), 32, CHECK, max_prompt_bytes=1200)
+        parse_request(tensors(text_input="ab" * 601), CHECK, max_prompt_bytes=1200)
 
 
 def test_a_reader_bug_becomes_an_input_error_not_an_exception():
@@ -122,11 +122,11 @@ def test_a_reader_bug_becomes_an_input_error_not_an_exception():
         return None
 
     with pytest.raises(InputError, match=r"^request: could not be read \(MemoryError: cannot map the tensor\)"):
-        parse_request(get_input, 32, CHECK)
+        parse_request(get_input, CHECK)
 
 
 def parse_tensors(**arrays):
-    return parse_request(lambda name: arrays.get(name), default_max_tokens=32, check=CHECK)
+    return parse_request(lambda name: arrays.get(name), check=CHECK)
 
 
 def text_tensor(text: str):
@@ -245,7 +245,7 @@ def test_kv_transfer_params_key_is_parsed_and_checked_against_the_role():
     decode = InputProcessor(None, vocab_size=50000, max_model_len=1001,
                             kv_transfer=KVTransferConfig(kv_role="decode", kv_transfer_peers="10.0.0.5:5600"))
     parsed = parse_request(tensors(text_input="hi", sampling_parameters=json.dumps({"kv_transfer_params": leg})),
-                           16, decode.check_sampling_params)
+                           decode.check_sampling_params)
     assert parsed.sampling_params.kv_transfer_params.remote_port == 5600
     assert parse(text_input="hi", sampling_parameters=json.dumps({"kv_transfer_params": None})).sampling_params \
         .kv_transfer_params is None
@@ -253,6 +253,6 @@ def test_kv_transfer_params_key_is_parsed_and_checked_against_the_role():
                             (dict(leg, remote_port="5600"), "sampling_parameters.kv_transfer_params.remote_port")):
         with pytest.raises(InputError, match=message):
             parse_request(tensors(text_input="hi", sampling_parameters=json.dumps({"kv_transfer_params": params})),
-                          16, decode.check_sampling_params)
+                          decode.check_sampling_params)
     with pytest.raises(InputError, match="this model is not a decode engine"):  # the default role: both
         parse(text_input="hi", sampling_parameters=json.dumps({"kv_transfer_params": leg}))

@@ -220,7 +220,7 @@ def get(values: dict):
 def test_sampling_parameters_stream_interval_is_read_and_checked():
     def parsed(sampling_parameters: str):
         return parse_request(get({"text_input": b"hi", "sampling_parameters": sampling_parameters.encode()}),
-                             8, lambda params: None)
+                             lambda params: None)
 
     assert parsed('{"stream_interval": 4}').stream_interval == 4
     assert parsed('{"stream_interval": "2"}').stream_interval == 2
