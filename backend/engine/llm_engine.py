@@ -9,7 +9,7 @@ which from then on holds everything kept for it. Each ``step()``:
 1. schedule: the scheduler (backend/engine/scheduler.py) picks this iteration's tokens under one
    budget, running requests first, prompts chunked, the newest preempted when blocks run out; the
    KV manager (backend/kv_cache/manager.py) allocates their slots and reuses cached prefix blocks;
-2. run: the model runner (backend/engine/model_runner.py) runs one forward over the flattened
+2. run: the model runner (backend/runner/model_runner.py) runs one forward over the flattened
    batch and returns logits for the requests whose chunk reached their last token;
 3. sample and update: the output processor (backend/engine/output_processor.py) does everything
    after the forward (sampling, verifying proposals, appending, stop checks, the ``n`` and beam
@@ -31,22 +31,23 @@ from backend.engine.cpu_threads import cpu_thread_governor
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.engine_stats import collect_engine_stats
 from backend.engine.input_processor import EngineInputError, InputProcessor
-from backend.engine.model_runner import ModelRunner
 from backend.engine.output_processor import OutputProcessor, collect_prompt_logprobs, internal_error_message
 from backend.engine.outputs import StepOutput, StepStats
 from backend.engine.request import Request
-from backend.engine.sampler import Sampler
 from backend.engine.scheduler import Scheduler
 from backend.engine.step_clock import PhaseClock
 from backend.engine.tokenizer import load_tokenizer
 from backend.kv_cache.event_publisher import publisher_from_config
 from backend.kv_cache.manager import KVCacheManager
 from backend.kv_cache.offload.from_config import build_offloader
+from backend.kv_cache.request_view import RequestBlocks
 from backend.kv_transfer.from_config import attach_kv_transfer
 from backend.parallel.driver import WorkerLost
 from backend.protocol.outputs import EngineStats, GenerationResult, RequestOutput
 from backend.protocol.sampling import SamplingParams
 from backend.protocol.structured_output import StructuredOutputError
+from backend.runner.model_runner import ModelRunner
+from backend.runner.sampler import Sampler
 from backend.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def is_held(request: Request) -> bool:
     preempted beam whose log-probabilities are in (nothing to do before its group's step)."""
     if request.grammar is not None and not request.grammar.ready:
         return True
-    return request.beam is not None and request.beam.has_row(request)
+    return request.is_beam and request.fanout.beam.has_row(request)
 
 
 class LLMEngine:
@@ -77,7 +78,8 @@ class LLMEngine:
         self.vocab_size = self.model_runner.shape.vocab_size
         self.eos_token_id = self._eos_token_id()
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
-                                              config.structured_output, config.kv_transfer)  # (lora: see _lora_manager)
+                                              config.structured_output, config.kv_transfer,  # (lora: see _lora_manager)
+                                              default_max_tokens=config.scheduler.default_max_tokens)
         self.num_kv_blocks = self.model_runner.num_kv_blocks
         block_size = self.model_runner.block_size
         self.offloader = build_offloader(config.cache, self.model_runner.kv_caches, block_size, config.model.model_dir)
@@ -182,9 +184,11 @@ class LLMEngine:
         """
         if self.output_processor.is_live(request_id):
             raise EngineInputError(f"request id {request_id!r} is already in use")
-        params = sampling_params or SamplingParams(max_tokens=self.config.scheduler.default_max_tokens)
+        params = sampling_params or SamplingParams()
         if check:
             self.check_sampling_params(params)
+        else:
+            self.input_processor.apply_defaults(params)
         if prompt_token_ids is None:
             if prompt is None:
                 raise EngineInputError("text_input: a prompt is required")
@@ -198,8 +202,8 @@ class LLMEngine:
         reason = self.scheduler.rejection_reason(request)
         if reason is not None:
             raise EngineInputError(reason)
-        if params.lora_name is not None:
-            request.block_hash_root = self._adapter_root(params.lora_name)
+        if params.lora_name is not None:  # the KV record starts from the adapter's root, before the cache sees it
+            request.kv = RequestBlocks(hash_root=self._adapter_root(params.lora_name))
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, stop=list(params.stop),
             skip_special_tokens=params.skip_special_tokens,
@@ -378,9 +382,7 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)
         except Exception:
             logger.exception("proposing speculative tokens failed; this step decodes without them")
-            for request in self.scheduler.running:
-                request.spec_token_ids = []
-                request.spec_draft_probs = None
+            self.speculator.clear(self.scheduler.running)
 
     def _take_grammar_failures(self) -> list[RequestOutput]:
         """Requests whose constraint failed to compile end with its error; the others become schedulable."""

@@ -31,11 +31,12 @@ from backend.engine.beam_group import BeamGroup, beam_request_id
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.outputs import StepStats
 from backend.engine.request import Request, RequestStatus
-from backend.engine.sampler import Sampler, SamplerOutput
-from backend.engine.scheduler import ScheduledRequest, Scheduler
+from backend.engine.scheduler import Scheduler
 from backend.engine.sequence_group import SequenceGroup, sequence_request_id
 from backend.engine.step_clock import PhaseClock
 from backend.protocol.outputs import FinishReason, RequestOutput
+from backend.runner.sampler import Sampler, SamplerOutput
+from backend.runner.scheduled import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,9 @@ def split_rows(scheduled: list[ScheduledRequest], rows: list[int]
 
 def collect_prompt_logprobs(request: Request, first: int, values: list[float]) -> None:
     """Appends a chunk's prompt logprobs; positions already held (a preempted request recomputing) are skipped."""
-    have = len(request.prompt_logprobs)
+    have = len(request.logprobs.prompt)
     if first <= have < first + len(values):
-        request.prompt_logprobs.extend(values[have - first :])
+        request.logprobs.prompt.extend(values[have - first :])
 
 
 def stop_reason(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:
@@ -92,16 +93,16 @@ def build_output(request: Request, new_token_ids: list[int], text: str) -> Reque
     """An unfinished output of ``request`` carrying ``new_token_ids`` (and their logprobs when asked)."""
     logprobs = ranks = top = None
     if request.sampling_params.logprobs and new_token_ids:
-        logprobs = request.output_logprobs[-len(new_token_ids):]
-        ranks = request.output_logprob_ranks[-len(new_token_ids):]
-        top = request.output_top_logprobs[-len(new_token_ids):]
+        logprobs = request.logprobs.output[-len(new_token_ids):]
+        ranks = request.logprobs.output_ranks[-len(new_token_ids):]
+        top = request.logprobs.output_top[-len(new_token_ids):]
     prompt_logprobs = None
-    if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent and new_token_ids:
-        prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-    group = request.group
+    if request.sampling_params.prompt_logprobs is not None and not request.logprobs.prompt_sent and new_token_ids:
+        prompt_logprobs, request.logprobs.prompt_sent = request.logprobs.prompt, True
+    group = request.fanout.group
     return RequestOutput(
         request_id=request.request_id if group is None else group.request_id,
-        sequence_index=request.sequence_index,
+        sequence_index=request.fanout.sequence_index,
         new_token_ids=new_token_ids,
         text=text,
         finished=False,
@@ -141,9 +142,9 @@ class OutputProcessor:
         """A new request (already queued): its tables entry, and its group when it fans out."""
         params = request.sampling_params
         if params.beam_width > 1:
-            request.beam = self.beam_groups[request.request_id] = BeamGroup.start(request, params)
+            request.fanout.beam = self.beam_groups[request.request_id] = BeamGroup.start(request, params)
         elif params.n > 1:
-            request.group = self.groups[request.request_id] = SequenceGroup(request.request_id, params.n, [request])
+            request.fanout.group = self.groups[request.request_id] = SequenceGroup(request.request_id, params.n, [request])
         self.requests[request.request_id] = request
 
     # ----------------------------------------------------------------------------- the step's rows
@@ -170,9 +171,9 @@ class OutputProcessor:
         logits: [len(requests), vocab_size]."""
         stats.num_sampled += len(requests)
         logits = self._fork_samples(logits, requests)
-        if any(r.beam is not None for r in requests):  # beams are scored, not sampled
+        if any(r.is_beam for r in requests):  # beams are scored, not sampled
             outputs.extend(self._beam_steps(logits, requests))
-            keep = [i for i, r in enumerate(requests) if r.beam is None]
+            keep = [i for i, r in enumerate(requests) if not r.is_beam]
             requests = [requests[i] for i in keep]
             logits = logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
             if not requests:
@@ -248,9 +249,9 @@ class OutputProcessor:
         if request.grammar is not None:
             self.structured_output.accept(request, token_id)  # raises (failing it alone) if refused
         if sampled.logprobs is not None and request.sampling_params.logprobs:
-            request.output_logprobs.append(sampled.logprobs[index])
-            request.output_logprob_ranks.append(sampled.ranks[index])
-            request.output_top_logprobs.append(sampled.top_logprobs[index] if sampled.top_logprobs else [])
+            request.logprobs.output.append(sampled.logprobs[index])
+            request.logprobs.output_ranks.append(sampled.ranks[index])
+            request.logprobs.output_top.append(sampled.top_logprobs[index] if sampled.top_logprobs else [])
         return self._append_tokens(request, [token_id], now)
 
     def _append_tokens(self, request: Request, tokens: list[int], now: float, verified: bool = False) -> RequestOutput:
@@ -280,8 +281,8 @@ class OutputProcessor:
         extra_rows: list[int] = []
         for row in range(len(requests)):
             parent = requests[row]
-            group = parent.group
-            if group is None or group.forked or parent.sequence_index != 0 or parent.num_output_tokens:
+            group = parent.fanout.group
+            if group is None or group.forked or parent.fanout.sequence_index != 0 or parent.num_output_tokens:
                 continue
             group.forked = True
             params = parent.sampling_params
@@ -289,7 +290,7 @@ class OutputProcessor:
                 child_params = dataclasses.replace(
                     params, n=1, prompt_logprobs=None, seed=None if params.seed is None else (params.seed + index) % 2**64)
                 child = parent.child(sequence_request_id(group.request_id, index), child_params)
-                child.group, child.sequence_index = group, index
+                child.fanout.group, child.fanout.sequence_index = group, index
                 child.detokenizer = self._detokenizer(child)
                 self.scheduler.add_forked(parent, child)
                 self.requests[child.request_id] = child
@@ -311,7 +312,7 @@ class OutputProcessor:
         in (backend/engine/beam_group.py). logits: [num_rows, vocab_size]."""
         touched: dict[str, BeamGroup] = {}
         for row, request in enumerate(requests):
-            group = request.beam
+            group = request.fanout.beam
             if group is None or group.finished:
                 continue
             group.rows[group.beams.index(request)] = torch.log_softmax(logits[row].float(), dim=-1).cpu()
@@ -338,7 +339,7 @@ class OutputProcessor:
                 continue
             child = parent.child(beam_request_id(group.request_id, group.num_created), parent.sampling_params)
             group.num_created += 1
-            child.beam = group
+            child.fanout.beam = group
             self.scheduler.add_forked(parent, child)
             self.requests[child.request_id] = child
             new.append(child)
@@ -395,8 +396,8 @@ class OutputProcessor:
         output.finished = output.sequence_finished = True
         output.finish_reason = request.finish_reason
         output.error = request.error
-        output.kv_transfer_params = request.kv_transfer_result
-        group = request.group
+        output.kv_transfer_params = request.kv_transfer.params
+        group = request.fanout.group
         if group is not None:  # the request ends with its last sample
             group.num_finished += 1
             output.finished = group.finished = group.num_finished == group.n
@@ -409,10 +410,10 @@ class OutputProcessor:
 
         Any sample of an n > 1 request (or the client's id) ends all of them, with one output."""
         request = self.requests.get(request_id)
-        beam = self.beam_groups.get(request_id) or (request.beam if request is not None else None)
+        beam = self.beam_groups.get(request_id) or (request.fanout.beam if request is not None else None)
         if beam is not None:
             return self.end_beam_search(beam, aborted=True)[0] if not beam.finished else None
-        group = self.groups.get(request_id) or (request.group if request is not None else None)
+        group = self.groups.get(request_id) or (request.fanout.group if request is not None else None)
         if group is not None:
             return self._abort_group(group)
         if request is None:

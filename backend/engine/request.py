@@ -12,16 +12,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from backend.engine.fanout import Fanout
+from backend.engine.request_logprobs import RequestLogprobs
+from backend.kv_cache.request_view import RequestBlocks
+from backend.kv_transfer.handoff import Handoff
 from backend.protocol.outputs import FinishReason
 from backend.protocol.sampling import SamplingParams
+from backend.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:  # annotations only: this module stays importable without torch
     import torch
 
-    from backend.engine.beam_group import BeamGroup
     from backend.engine.detokenizer import IncrementalDetokenizer
-    from backend.engine.sequence_group import SequenceGroup
-    from backend.kv_cache.block_pool import BlockHash
     from backend.structured_output.manager import RequestGrammar
 
 
@@ -41,12 +43,13 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One generation request and everything the engine keeps for it.
+    """One generation request: its identity, tokens, status and timing, and one record per feature.
 
-    The engine's per-request state lives here and nowhere else: its tokens and progress, its
-    detokenizer, its seeded sampling generator, its block hashes for the prefix cache. Finishing a
-    request drops it, and all of that with it; only its KV blocks (the KV manager's block table)
-    are freed explicitly, by the scheduler.
+    Each record belongs to the feature that alone writes it (backend/kv_cache: ``kv``; speculation:
+    ``spec``; disaggregation: ``kv_transfer``; structured output: ``grammar``; the output processor:
+    ``fanout`` for samples and beams, ``logprobs``); the others read it. Finishing a request drops
+    it and all of that with it; only its KV blocks (the KV manager's block table) are freed
+    explicitly, by the scheduler.
     """
 
     request_id: str
@@ -64,33 +67,15 @@ class Request:
     error: str | None = None  # why a FINISHED_ERROR request could not run
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    output_logprobs: list[float] = field(default_factory=list)
-    output_logprob_ranks: list[int] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     detokenizer: IncrementalDetokenizer | None = None  # set by the engine when it accepts the request
     generator: torch.Generator | None = None  # of a seeded request, made by the sampler on first use
-    block_hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks (tokens never change)
-    # What the first block chains to: None for the base model; a LoRA adapter's own root
-    # (backend/lora/manager.py), so no cached block is shared across adapters.
-    block_hash_root: BlockHash | None = None
-    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache (0 again after a free)
-    grammar: RequestGrammar | None = None  # of a constrained request (backend/structured_output)
-    # With prompt_logprobs: entry i is log P(prompt token i + 1 | prompt tokens 0..i), filled chunk by chunk.
-    prompt_logprobs: list[float] = field(default_factory=list)
-    prompt_logprobs_sent: bool = False
-    # Parallel sampling (n > 1): the request's samples share one SequenceGroup; this is sample
-    # ``sequence_index`` of it (sample 0 computes the prompt, the others fork its blocks).
-    group: SequenceGroup | None = None
-    sequence_index: int = 0
-    beam: BeamGroup | None = None  # this request is one running beam of it
-    # Speculative decoding (backend/spec_decode): this step's proposed tokens, verified after the
-    # known ones in the same forward; with a draft model's sampled proposals, their distributions.
-    spec_token_ids: list[int] = field(default_factory=list)
-    spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab]; None: point masses
-    # Disaggregated serving (backend/kv_transfer): a prefill engine's transfer parameters for the
-    # final answer; on a decode engine, whether the prompt's pull was already done (once per request).
-    kv_transfer_result: dict | None = None
-    kv_pull_done: bool = False
+
+    kv: RequestBlocks = field(default_factory=RequestBlocks)  # block hashes and the adapter's hash root
+    spec: Proposal = field(default_factory=Proposal)  # this step's speculative proposals
+    kv_transfer: Handoff = field(default_factory=Handoff)  # a prefill engine's answer for the decode engine
+    grammar: RequestGrammar | None = None  # of a constrained request
+    fanout: Fanout = field(default_factory=Fanout)  # n > 1 samples and beams
+    logprobs: RequestLogprobs = field(default_factory=RequestLogprobs)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -115,15 +100,23 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def is_running(self) -> bool:
+        return self.status == RequestStatus.RUNNING
+
+    @property
+    def is_beam(self) -> bool:
+        """One running beam of a beam search (scored by the search, never sampled or speculated)."""
+        return self.fanout.beam is not None
+
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
     def child(self, request_id: str, sampling_params: SamplingParams) -> Request:
         """A request that continues this one from its tokens so far (a forked sample or beam): same
-        prompt, tokens and timings; the scheduler shares its KV blocks (``Scheduler.add_forked``)."""
+        prompt, tokens and timings; the scheduler shares its KV blocks and their record (``Scheduler.add_forked``)."""
         child = Request(request_id, list(self.prompt_token_ids), sampling_params, eos_token_id=self.eos_token_id,
-                        arrival_time=self.arrival_time)
-        child.block_hash_root = self.block_hash_root
+                        arrival_time=self.arrival_time, kv=RequestBlocks(hash_root=self.kv.hash_root))
         child.all_token_ids = list(self.all_token_ids)
         child.first_scheduled_time, child.num_cached_tokens = self.first_scheduled_time, self.num_cached_tokens
         return child

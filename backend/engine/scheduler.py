@@ -32,24 +32,7 @@ from backend.engine.request import Request, RequestStatus
 from backend.kv_cache.manager import KVCacheManager
 from backend.models.shape import ceil_div
 from backend.protocol.outputs import FinishReason
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step: tokens ``num_computed_tokens .. + num_new_tokens - 1``."""
-
-    request: Request
-    num_new_tokens: int
-    num_computed_tokens: int  # snapshot BEFORE this step (the request's counter is already advanced)
-    block_ids: list[int]  # the whole block table after this step's allocation
-    # Proposed tokens after the known ones (speculative decoding): part of num_new_tokens, their
-    # KV written this step and rolled back by the engine for those the target rejects.
-    spec_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def is_last_chunk(self) -> bool:
-        """True when this step reaches the end of the known tokens: the engine samples then."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens + len(self.spec_token_ids)
+from backend.runner.scheduled import ScheduledRequest
 
 
 @dataclass(slots=True)
@@ -164,6 +147,7 @@ class Scheduler:
         child waits and recomputes, as the parent will."""
         if parent.status == RequestStatus.RUNNING:
             child.status = RequestStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens  # the KV of these is shared
             self.kv_cache_manager.fork(parent, child)
             self.running.append(child)
         else:
@@ -266,12 +250,12 @@ class Scheduler:
                 return
 
     def _fit_speculation(self, request: Request, num_new_tokens: int, token_budget: int, num_after: int) -> list[int]:
-        """The part of ``request.spec_token_ids`` that this step can verify: the request decodes
+        """The part of ``request.spec.token_ids`` that this step can verify: the request decodes
         (one new token), the budget has room after it, and the pool has blocks for them while
         keeping a block for each of the ``num_after`` running requests still to schedule, so
         speculation never causes a preemption (allocated here). [] otherwise: the request decodes
         as usual."""
-        spec = request.spec_token_ids
+        spec = request.spec.token_ids
         if not spec or num_new_tokens != 1:
             return []
         spec = spec[: max(0, token_budget - 1)]

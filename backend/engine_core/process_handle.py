@@ -15,7 +15,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import zmq
 
 from backend.config import EngineConfig
 from backend.engine_core.stub_watch import StubWatch
-from backend.paths import REPO_ROOT
+from backend.paths import REPO_ROOT, python_executable
 from backend.process_exit import describe_exit_code
 from backend.protocol.messages import (
     EXIT_REASON_FILE,
@@ -58,17 +57,6 @@ def report_restart(on_restart: Callable[[str], None] | None, reason: str) -> Non
         on_restart(reason)
     except Exception:
         logger.exception("counting the restart failed")
-
-
-def python_executable() -> str:
-    """The interpreter to start the core with: ours. Inside Triton's stub ``sys.executable`` may
-    name the stub binary, so then the ``python3`` first on PATH (the venv's: the stub finds its
-    site-packages the same way)."""
-    candidates = [sys.executable, os.path.join(sys.exec_prefix, "bin", "python3"), shutil.which("python3")]
-    for candidate in candidates:
-        if candidate and os.path.basename(candidate).startswith("python") and os.access(candidate, os.X_OK):
-            return candidate
-    raise CoreStartError("no python interpreter found to start the engine core with")
 
 
 class CoreProcess:
@@ -109,8 +97,12 @@ class CoreProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("PYTHONUTF8", "1")
+        try:
+            executable = python_executable()
+        except FileNotFoundError as exc:
+            raise CoreStartError(str(exc)) from None
         self.process = subprocess.Popen(
-            [python_executable(), "-m", "backend.engine_core.core_process", self._workdir],
+            [executable, "-m", "backend.engine_core.core_process", self._workdir],
             cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + timeout

@@ -2,7 +2,8 @@
 
 Each request owns a block table (``req_to_blocks[request_id]``): block i holds the KV of tokens
 ``i * block_size .. (i + 1) * block_size - 1`` of ``request.all_token_ids``. The request itself
-carries its block hashes and how many of its blocks were offered to the cache (as in vLLM v1). With prefix caching,
+carries the cache's record of it (``request.kv``, backend/kv_cache/request_view.py: its block
+hashes and how many of its blocks were offered to the cache, as in vLLM v1). With prefix caching,
 the table starts with blocks shared with earlier requests (a hit), and every block that becomes
 full of known tokens is hashed (chained to its parent's hash) and registered for later requests.
 
@@ -28,9 +29,9 @@ from concurrent.futures import Future
 
 import torch
 
-from backend.engine.request import Request
 from backend.kv_cache.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 from backend.kv_cache.offload.tier import StoredBlock
+from backend.kv_cache.request_view import CachedSequence
 from backend.models.shape import ceil_div
 
 
@@ -111,17 +112,17 @@ class KVCacheManager:
         return self.block_pool.prefix_hits
 
     # ----- hashing ------------------------------------------------------------------------------
-    def block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+    def block_hashes(self, request: CachedSequence, num_full_blocks: int) -> list[BlockHash]:
         """The request's block hashes, extended to at least ``num_full_blocks`` entries."""
-        hashes = request.block_hashes
+        hashes = request.kv.block_hashes
         token_ids, size = request.all_token_ids, self.block_size
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else request.block_hash_root
+            parent = hashes[i - 1] if i else request.kv.hash_root
             hashes.append(hash_block_tokens(parent, token_ids[i * size : (i + 1) * size]))
         return hashes
 
     # ----- prefix hits --------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: CachedSequence) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached full blocks for ``request.all_token_ids`` and its length in
         tokens. Takes no references (``allocate_slots`` does). Counts one prefix query.
 
@@ -139,7 +140,7 @@ class KVCacheManager:
         blocks: list[KVCacheBlock] = []
         for i in range(max_num_blocks):
             block = self.block_pool.get_cached_block(
-                hashes[i - 1] if i else request.block_hash_root, token_ids[i * size : (i + 1) * size], hashes[i]
+                hashes[i - 1] if i else request.kv.hash_root, token_ids[i * size : (i + 1) * size], hashes[i]
             )
             if block is None:
                 break
@@ -150,7 +151,7 @@ class KVCacheManager:
         return blocks, num_hit_tokens
 
     # ----- blocks from elsewhere: the offload tier, a prefill engine -------------------------------
-    def find_external(self, request: Request, computed_blocks: Sequence[KVCacheBlock],
+    def find_external(self, request: CachedSequence, computed_blocks: Sequence[KVCacheBlock],
                       batch_running: bool) -> list[StoredBlock] | None:
         """The blocks that continue ``request``'s pool hit ``computed_blocks`` from outside the pool: a
         prefill engine's (a ``do_remote_prefill`` request on a decode engine, pulled once) or the
@@ -178,7 +179,7 @@ class KVCacheManager:
             return loaded[start - first:]  # the pool hit may have grown over part of the run
         max_num_blocks = (request.num_tokens - 1) // size  # a full hit would leave nothing to compute
         params = request.sampling_params.kv_transfer_params
-        if self.puller is not None and params is not None and params.do_remote_prefill and not request.kv_pull_done:
+        if self.puller is not None and params is not None and params.do_remote_prefill and not request.kv.remote_pull_done:
             return self._pull(request, params, start, max_num_blocks)
         offloader = self.offloader
         if offloader is None:
@@ -200,11 +201,11 @@ class KVCacheManager:
         self._uncount_lookup(request, start)
         return None
 
-    def _pull(self, request: Request, params, start: int, max_num_blocks: int) -> list[StoredBlock] | None:
+    def _pull(self, request: CachedSequence, params, start: int, max_num_blocks: int) -> list[StoredBlock] | None:
         """Starts the request's one pull from its prefill engine (None: it waits for it). When the
         pool already holds every block it could use, the prefill engine is only told to let its
         blocks go, and the request runs at once ([])."""
-        request.kv_pull_done = True
+        request.kv.remote_pull_done = True
         if start >= max_num_blocks:
             self.puller.pull_async(params, start, [])  # a release; nobody waits for its answer
             self._restores[request.request_id] = None
@@ -214,24 +215,24 @@ class KVCacheManager:
         self._uncount_lookup(request, start)
         return None
 
-    def _expected(self, request: Request, first: int, end: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
+    def _expected(self, request: CachedSequence, first: int, end: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
         """(hash, parent hash, tokens) of the request's blocks first..end-1: what a load must match."""
         hashes, token_ids, size = self.block_hashes(request, end), request.all_token_ids, self.block_size
-        root = request.block_hash_root
+        root = request.kv.hash_root
         return [(hashes[i], hashes[i - 1] if i else root, tuple(token_ids[i * size:(i + 1) * size]))
                 for i in range(first, end)]
 
-    def _uncount_lookup(self, request: Request, num_hit_blocks: int) -> None:
+    def _uncount_lookup(self, request: CachedSequence, num_hit_blocks: int) -> None:
         """The lookup counts again when the request is admitted after its load: count it once."""
         self.block_pool.prefix_queries -= request.num_tokens
         self.block_pool.prefix_hits -= num_hit_blocks * self.block_size
 
-    def restore_in_flight(self, request: Request) -> bool:
+    def restore_in_flight(self, request: CachedSequence) -> bool:
         """True while blocks are still being loaded for ``request``."""
         entry = self._restores.get(request.request_id)
         return entry is not None and not entry[0].done()
 
-    def place_restored(self, request: Request, first_block: int, restored: Sequence[StoredBlock]) -> None:
+    def place_restored(self, request: CachedSequence, first_block: int, restored: Sequence[StoredBlock]) -> None:
         """Writes the loaded blocks into the request's blocks ``first_block..`` (allocated by
         ``allocate_slots`` just before, in the same schedule, so before any forward reads them)."""
         entry = self._restores.pop(request.request_id, None)
@@ -262,7 +263,7 @@ class KVCacheManager:
         return self.transfer_server.reclaim(self.block_pool, num_blocks) > 0
 
     # ----- forks (parallel sampling) -------------------------------------------------------------
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: CachedSequence, child: CachedSequence) -> None:
         """``child`` shares every block of ``parent`` (reference counts raised): the KV of the
         parent's computed tokens, which the child's tokens repeat. A later append to a shared
         partial block copies it first (``allocate_slots``), so neither sees the other's writes."""
@@ -280,11 +281,9 @@ class KVCacheManager:
             copied = iter(copies)
             blocks = [b if b.is_null else next(copied) for b in blocks]
         self.req_to_blocks[child.request_id] = blocks
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.block_hashes = list(parent.block_hashes)
-        child.num_cached_blocks = parent.num_cached_blocks
+        child.kv = parent.kv.forked()
 
-    def _copy_on_write(self, request: Request, req_blocks: list[KVCacheBlock]) -> bool:
+    def _copy_on_write(self, request: CachedSequence, req_blocks: list[KVCacheBlock]) -> bool:
         """Before ``request`` appends into a partial block that another request also holds, it
         takes a private copy of it. False (nothing changed) when the pool has no block for that."""
         if not self._needs_copy(request, req_blocks):
@@ -304,7 +303,7 @@ class KVCacheManager:
 
     # ----- allocation ---------------------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+        self, request: CachedSequence, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
     ) -> list[KVCacheBlock] | None:
         """Makes room for ``num_new_tokens`` more tokens after the computed ones (and after the
         prefix hit ``new_computed_blocks``, which this references). Returns the newly allocated
@@ -367,12 +366,12 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(passed))
         self.num_window_freed += len(passed)
 
-    def _needs_copy(self, request: Request, req_blocks: list[KVCacheBlock]) -> bool:
+    def _needs_copy(self, request: CachedSequence, req_blocks: list[KVCacheBlock]) -> bool:
         index, offset = divmod(request.num_computed_tokens, self.block_size)
         return offset != 0 and index < len(req_blocks) and req_blocks[index].ref_cnt > 1
 
-    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_full: int) -> None:
-        start = request.num_cached_blocks
+    def _cache_full_blocks(self, request: CachedSequence, req_blocks: list[KVCacheBlock], num_full: int) -> None:
+        start = request.kv.num_cached_blocks
         if num_full <= start:
             return
         hashes = self.block_hashes(request, num_full)
@@ -389,22 +388,22 @@ class KVCacheManager:
                     parent.is_null and hashes[i - 1] in self.block_pool.cached_block_hash_to_block):
                 continue
             self.block_pool.cache_full_block(
-                block, hashes[i - 1] if i else request.block_hash_root, token_ids[i * size : (i + 1) * size], hashes[i]
+                block, hashes[i - 1] if i else request.kv.hash_root, token_ids[i * size : (i + 1) * size], hashes[i]
             )
-        request.num_cached_blocks = num_full
+        request.kv.num_cached_blocks = num_full
 
     # ----- freeing ------------------------------------------------------------------------------
-    def free(self, request: Request) -> None:
+    def free(self, request: CachedSequence) -> None:
         """Frees the request's blocks, tail first (so its prefix stays cached longest)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._restores.pop(request.request_id, None)
-        if self.transfer_server is not None and request.status.is_finished:  # may keep its prompt for a pull
+        if self.transfer_server is not None and request.is_finished:  # may keep its prompt for a pull
             num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
             self.transfer_server.keep_finished(request, blocks, self.block_hashes(request, num_full), self.block_pool)
-        request.num_cached_blocks = 0  # its hashes stay: they depend on its tokens alone
+        request.kv.num_cached_blocks = 0  # its hashes stay: they depend on its tokens alone
         self.block_pool.free_blocks(live(reversed(blocks)))
 
-    def trim(self, request: Request, num_tokens: int) -> None:
+    def trim(self, request: CachedSequence, num_tokens: int) -> None:
         """Frees the request's blocks past the first ``num_tokens`` tokens (tail first): the
         rollback of rejected speculative tokens. Those blocks were never hashed (only blocks full
         of known tokens are), so nothing enters the prefix cache with a rejected token's KV."""

@@ -29,8 +29,8 @@ import msgspec
 import torch
 import zmq
 
-from backend.engine.request import Request
 from backend.kv_cache.block_pool import KVCacheBlock
+from backend.kv_transfer.handoff import FinishedPrompt
 from backend.kv_transfer.wire import DTYPE_NAMES, MAX_REQUEST_BYTES, PullHeader, request_decoder
 from backend.protocol.outputs import FinishReason
 
@@ -112,11 +112,11 @@ class KVTransferServer:
         self._thread.start()
 
     # ----- the engine thread ----------------------------------------------------------------------
-    def keep_finished(self, request: Request, blocks: list[KVCacheBlock], block_hashes: list[int],
+    def keep_finished(self, request: FinishedPrompt, blocks: list[KVCacheBlock], block_hashes: list[int],
                       block_pool) -> None:
         """Called by the KV-cache manager with a finished request's blocks before it frees them:
         a ``do_remote_decode`` request that ended normally keeps its prompt's full blocks (one
-        more reference each) and gets its transfer parameters (``request.kv_transfer_result``)."""
+        more reference each) and gets its transfer parameters (``request.kv_transfer.params``)."""
         params = request.sampling_params.kv_transfer_params
         if params is None or not params.do_remote_decode or request.finish_reason not in ANSWERED_REASONS:
             return
@@ -127,14 +127,14 @@ class KVTransferServer:
         token = secrets.token_urlsafe(32)
         pin = _Pin(request.request_id, kept, list(block_hashes[:num_full]),
                    [request.prompt_token_ids[i * size:(i + 1) * size] for i in range(num_full)],
-                   time.monotonic() + self.timeout_seconds, request.block_hash_root)
+                   time.monotonic() + self.timeout_seconds, request.kv.hash_root)
         with self._lock:
             self._pins[token] = pin
             overflow = len(self._pins) - MAX_PINNED_REQUESTS
         self.stats.pinned_requests += 1
         if overflow > 0:
             self._give_up(block_pool, overflow)
-        request.kv_transfer_result = {
+        request.kv_transfer.params = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
             "remote_host": self.host, "remote_port": self.port, "remote_block_ids": [b.block_id for b in kept],
             "transfer_token": token, "tp_size": 1,

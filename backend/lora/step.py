@@ -1,7 +1,7 @@
 """One step's adapters and the rows each one owns: the LoRA deltas of a mixed batch.
 
 The model runner orders a step's rows so that each adapter's rows are contiguous within the decode
-rows and within the prompt rows (backend/engine/model_runner.py), so an adapter owns at most two
+rows and within the prompt rows (backend/runner/model_runner.py), so an adapter owns at most two
 row segments. After each targeted projection's base GEMM, every adapter adds its delta to its own
 rows only: two small GEMMs per segment and projection, ``out[rows] += (x[rows] @ A.T) @ B.T``
 (Punica's segmented shape), on views, with no gather or scatter. The decode rows take the adapters'

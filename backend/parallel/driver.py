@@ -2,7 +2,7 @@
 watches them.
 
 Rank 0 is the process that owns the engine (the engine-core process when served). It keeps the
-scheduler, the sampler and the outputs; the workers (backend/parallel/worker.py) hold only their
+scheduler, the sampler and the outputs; the workers (backend/runner/tp_worker.py) hold only their
 shard of the model and of the KV cache, with the same block ids. Each step rank 0 sends every
 worker one message (the flattened batch: token ids, positions, attention metadata) and then runs
 its own shard; the layers' collectives meet inside the forward. Logits are gathered on rank 0, so
@@ -103,7 +103,7 @@ class TensorParallelDriver:
                 with open(path, "wb") as handle:
                     pickle.dump(spec, handle)
                 self.workers.append(subprocess.Popen(
-                    [sys.executable, "-m", "backend.parallel.worker", path], stdin=subprocess.PIPE,
+                    [sys.executable, "-m", "backend.runner.tp_worker", path], stdin=subprocess.PIPE,
                     pass_fds=(write_fd,), cwd=os.getcwd()))
                 os.close(write_fd)
                 self._status.append(read_fd)

@@ -1,11 +1,11 @@
 """Proposals from a draft model: a small checkpoint with the target's vocabulary, run k times per
 step on its own paged KV cache (with its own prefix cache) inside the engine's step.
 
-Each proposing request has a shadow ``Request`` here that shares the target request's token list,
+Each proposing request has a ``ShadowSequence`` here that shares the target request's token list,
 so the draft's KV manager sees the very tokens the target keeps; the draft's KV covers a prefix
 of them (``num_computed_tokens``). Round 1 feeds the tokens the draft has not seen yet (the
 whole prompt the first time, then usually the last one or two tokens) and samples proposal 1;
-round r feeds proposal r - 1 as a speculative token (backend/engine/model_runner.py reads
+round r feeds proposal r - 1 as a speculative token (backend/runner/model_runner.py reads
 ``spec_token_ids``) and samples proposal r. All proposing requests run together in each round.
 Proposals are greedy (the draft's argmax) for greedy requests and drawn from the draft's processed
 distribution (the request's temperature, top-k, top-p, min-p) for sampled ones, which keeps those
@@ -24,12 +24,14 @@ import logging
 import torch
 
 from backend.config import CacheConfig, ConfigError, EngineConfig
-from backend.engine.model_runner import ModelRunner
-from backend.engine.request import Request
-from backend.engine.row_argmax import row_argmax
-from backend.engine.sampler import Sampler
 from backend.kv_cache.manager import KVCacheManager
+from backend.kv_cache.request_view import RequestBlocks
 from backend.protocol.sampling import SamplingParams
+from backend.runner.model_runner import ModelRunner
+from backend.runner.row_argmax import row_argmax
+from backend.runner.sampler import Sampler
+from backend.runner.scheduled import ScheduledRequest
+from backend.spec_decode.proposal import SpeculatingRequest
 from backend.spec_decode.verification import race
 
 logger = logging.getLogger(__name__)
@@ -37,9 +39,34 @@ logger = logging.getLogger(__name__)
 DRAFT_SEED_OFFSET = 0x5DEECE66D  # a seeded request's draft generator: seed + this (its own stream)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class ShadowSequence:
+    """A target request as the draft's runner and KV manager see it: the same token list, the
+    draft's own progress and block record (backend/runner/scheduled.py, backend/kv_cache/request_view.py)."""
+
+    request_id: str
+    all_token_ids: list[int]  # the target request's own list: the draft sees every new token
+    num_computed_tokens: int = 0  # tokens whose draft KV is in the draft's cache
+    # never sampled by the runner (the proposer draws its tokens): the parameters only fill the view
+    sampling_params: SamplingParams = dataclasses.field(default_factory=lambda: SamplingParams(max_tokens=1))
+    eos_token_id: int | None = None
+    generator: torch.Generator | None = None
+    kv: RequestBlocks = dataclasses.field(default_factory=RequestBlocks)
+    num_prompt_tokens: int = 0  # the whole list is "output": nothing is the draft's prompt
+    is_finished: bool = False  # its blocks are freed without a transfer, whatever the target did
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
 @dataclasses.dataclass(slots=True)
 class DraftSequence:
-    shadow: Request  # shares the target request's all_token_ids list
+    shadow: ShadowSequence
     proposed_at: int = 0  # num_tokens when the last proposals were made
     proposed: list[int] = dataclasses.field(default_factory=list)
     generator: torch.Generator | None = None
@@ -83,7 +110,7 @@ class DraftModelProposer:
         for request_id in [r for r in self.sequences if r not in request_ids]:
             self.release(request_id)
 
-    def lag(self, request: Request) -> int:
+    def lag(self, request: SpeculatingRequest) -> int:
         """Tokens of ``request`` the draft has not computed (its whole history when it has none)."""
         sequence = self.sequences.get(request.request_id)
         return request.num_tokens - (sequence.shadow.num_computed_tokens if sequence is not None else 0)
@@ -92,11 +119,10 @@ class DraftModelProposer:
     def usage(self) -> float:
         return self.kv.usage
 
-    def _sequence(self, request: Request) -> DraftSequence:
+    def _sequence(self, request: SpeculatingRequest) -> DraftSequence:
         sequence = self.sequences.get(request.request_id)
         if sequence is None:
-            shadow = Request(request.request_id, [], SamplingParams(max_tokens=1))
-            shadow.all_token_ids = request.all_token_ids  # the same list: the draft sees every new token
+            shadow = ShadowSequence(request.request_id, request.all_token_ids)
             sequence = self.sequences[request.request_id] = DraftSequence(shadow)
             if request.sampling_params.seed is not None:
                 sequence.generator = torch.Generator(device=self.runner.device)
@@ -125,10 +151,8 @@ class DraftModelProposer:
 
     # ----------------------------------------------------------------------------- proposing
     @torch.inference_mode()
-    def propose(self, requests: list[Request], k: int) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+    def propose(self, requests: list[SpeculatingRequest], k: int) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """{request id: (up to k proposals, their draft distributions [n, vocab] or None when greedy)}."""
-        from backend.engine.scheduler import ScheduledRequest  # noqa: PLC0415  (the scheduler imports the engine's config)
-
         active = []
         for request in requests:
             sequence = self._sequence(request)
@@ -171,7 +195,7 @@ class DraftModelProposer:
         return {rid: (tokens, torch.stack(probs) if probs is not None else None)
                 for rid, (tokens, probs) in results.items()}
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request],
+    def _choose(self, logits: torch.Tensor, requests: list[SpeculatingRequest],
                 sequences: list[DraftSequence]) -> tuple[list[int], list[torch.Tensor | None]]:
         """Greedy rows: the argmax. Sampled rows: a draw from the processed draft distribution."""
         tokens = row_argmax(logits)
@@ -179,7 +203,7 @@ class DraftModelProposer:
         sampled = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if sampled:
             rows = logits.index_select(0, torch.tensor(sampled, device=logits.device)).float()
-            processed = Sampler._process_random(rows, [requests[i] for i in sampled])
+            processed = Sampler.process_random(rows, [requests[i] for i in sampled])
             dist = torch.softmax(processed, dim=-1)  # [num_sampled, vocab]
             for j, i in enumerate(sampled):
                 tokens[i] = race(dist[j], sequences[i].generator or self._generator)

@@ -2,7 +2,7 @@
 
 1. ``propose(running)`` before the schedule: requests that decode next (one known token to
    compute) and may speculate get proposals (prompt lookup, or the draft model's k rounds), as many
-   as the controller's k for this step allows, in ``request.spec_token_ids``. The scheduler fits
+   as the controller's k for this step allows, in ``request.spec`` (backend/spec_decode/proposal.py). The scheduler fits
    them into the token budget and the pool (backend/engine/scheduler.py), else the request decodes as usual.
 2. The model runner scores every position from the last known token on: 1 + k logits rows.
 3. ``verify(request, rows)`` turns those rows into the tokens to append (backend/spec_decode/
@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.config import EngineConfig
-from backend.engine.request import Request, RequestStatus
-from backend.engine.row_argmax import row_argmax
-from backend.engine.sampler import Sampler
+from backend.runner.row_argmax import row_argmax
+from backend.runner.sampler import Sampler
+from backend.runner.scheduled import ScheduledRequest
 from backend.spec_decode.controller import SpeculationController, StepTimeModel
 from backend.spec_decode.ngram import NgramProposer
+from backend.spec_decode.proposal import SpeculatingRequest
 from backend.spec_decode.verification import rejection_sample, verify_greedy, verify_seeded
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,6 @@ def time_runner_steps(runner, num_tokens: int, tokens_per_sequence: int) -> floa
     """Seconds of one forward of ``num_tokens`` new tokens in sequences of ``tokens_per_sequence``,
     each after CALIBRATION_CONTEXT cached tokens, best of CALIBRATION_REPEATS. The KV goes to the
     null block 0 (never handed out; its content only has to stay finite)."""
-    from backend.engine.scheduler import ScheduledRequest  # noqa: PLC0415
-
     scheduled, left, index = [], num_tokens, 0
     while left > 0:
         new = min(tokens_per_sequence, left)
@@ -118,11 +117,11 @@ class Speculator:
         self._shadows: dict[str, tuple[int, list[int]]] = {}  # prompt lookup checked without verifying
 
     # ----------------------------------------------------------------------------- eligibility
-    def limit(self, request: Request) -> int:
+    def limit(self, request: SpeculatingRequest) -> int:
         """The most tokens ``request`` may propose now (0: it decodes as usual)."""
         params = request.sampling_params
-        if (request.status != RequestStatus.RUNNING or request.num_computed_tokens != request.num_tokens - 1
-                or params.num_speculative_tokens == 0 or request.beam is not None or request.grammar is not None
+        if (not request.is_running or request.num_computed_tokens != request.num_tokens - 1
+                or params.num_speculative_tokens == 0 or request.is_beam or request.grammar is not None
                 or params.logprobs or request.num_output_tokens < params.min_tokens or params.repetition_penalty != 1.0
                 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
             return 0
@@ -132,11 +131,9 @@ class Speculator:
                           self.max_model_len - request.num_tokens - 1))
 
     # ----------------------------------------------------------------------------- proposing
-    def propose(self, running: list[Request]) -> None:
-        """Sets ``spec_token_ids`` of every running request for this step ([] where none)."""
-        for request in running:
-            request.spec_token_ids = []
-            request.spec_draft_probs = None
+    def propose(self, running: list[SpeculatingRequest]) -> None:
+        """Sets ``spec`` of every running request for this step (no tokens where none)."""
+        self.clear(running)
         ids = {r.request_id for r in running}
         self._check_shadows(running)
         limits = {r.request_id: self.limit(r) for r in running}
@@ -160,7 +157,7 @@ class Speculator:
             for request in proposing:
                 proposal = found[request.request_id]
                 if k:
-                    request.spec_token_ids = proposal[:k]
+                    request.spec.token_ids = proposal[:k]
                 elif request.request_id not in self._shadows:
                     self._shadows[request.request_id] = (request.num_tokens, proposal)
             return
@@ -176,14 +173,20 @@ class Speculator:
                 continue
             tokens, probs = entry
             n = min(len(tokens), limits[request.request_id])
-            request.spec_token_ids = tokens[:n]
-            request.spec_draft_probs = probs[:n] if probs is not None else None
+            request.spec.token_ids = tokens[:n]
+            request.spec.draft_probs = probs[:n] if probs is not None else None
+
+    @staticmethod
+    def clear(requests: list[SpeculatingRequest]) -> None:
+        """No proposals for ``requests`` this step (before proposing, or after a proposer failed)."""
+        for request in requests:
+            request.spec.clear()
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         if self.controller.step_time is not None and num_tokens > 0:
             self.controller.step_time.observe(num_tokens, seconds)
 
-    def _check_shadows(self, running: list[Request]) -> None:
+    def _check_shadows(self, running: list[SpeculatingRequest]) -> None:
         """Prompt-lookup proposals the controller did not verify, checked against what came instead."""
         if not self._shadows:
             return
@@ -204,22 +207,22 @@ class Speculator:
             del self._shadows[request_id]
 
     # ----------------------------------------------------------------------------- verifying
-    def verify(self, request: Request, proposals: list[int], rows: torch.Tensor) -> list[int]:
+    def verify(self, request: SpeculatingRequest, proposals: list[int], rows: torch.Tensor) -> list[int]:
         """The tokens to append after the target scored ``proposals``. rows: [1 + k, vocab] logits."""
         if request.sampling_params.greedy:
             tokens = verify_greedy(row_argmax(rows), proposals)
             accepted = len(tokens) - 1
         else:
             repeated = [request] * rows.shape[0]
-            probs = torch.softmax(Sampler._process_random(rows.float().clone(), repeated), dim=-1)
+            probs = torch.softmax(Sampler.process_random(rows.float().clone(), repeated), dim=-1)
             if request.sampling_params.seed is not None:  # the same tokens as without speculation
-                tokens, accepted = verify_seeded(probs, proposals, self.sampler._request_generator(request, rows.device))
+                tokens, accepted = verify_seeded(probs, proposals, self.sampler.request_generator(request, rows.device))
             else:
-                draft_probs = request.spec_draft_probs
+                draft_probs = request.spec.draft_probs
                 if draft_probs is not None:
                     draft_probs = draft_probs[: len(proposals)].to(probs.device)
                 tokens, accepted = rejection_sample(probs, proposals, draft_probs,
-                                                    self.sampler._engine_generator(rows.device))
+                                                    self.sampler.engine_generator(rows.device))
         self._count(len(proposals), accepted)
         return tokens
 

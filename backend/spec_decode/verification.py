@@ -15,7 +15,7 @@ row i is the target's distribution for the token after ``d_1..d_i`` (row 0: afte
 
 - Seeded sampled requests (``verify_seeded``): the token of each position is the winner of the
   exponential race over ``p`` with that position's own vocabulary-sized draw, taken from the
-  request's generator in position order, exactly as backend/engine/sampler.py draws one row per token;
+  request's generator in position order, exactly as backend/runner/sampler.py draws one row per token;
   proposals are accepted while they equal the winner. Each token is an exact draw from ``p`` (for
   a point-mass proposal the acceptance probability is ``p(d)``, as with rejection sampling), and
   a seed gives the same tokens with speculation or without, however many steps speculated.
@@ -23,7 +23,7 @@ row i is the target's distribution for the token after ``d_1..d_i`` (row 0: afte
 Random numbers (rejection sampling): every verification draws exactly ``k`` uniforms and one vocabulary-sized uniform
 row from the request's generator, whatever is accepted, so a seeded request's draws depend only on
 its own tokens (the token itself is taken by the exponential race ``argmax(dist / -log U)``, as in
-backend/engine/sampler.py).
+backend/runner/sampler.py).
 """
 
 from __future__ import annotations

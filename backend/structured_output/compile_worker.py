@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 
+from backend.paths import python_executable
 from backend.proc_stat import read_proc_stat
 from backend.process_exit import describe_exit_code
 from backend.protocol.structured_output import (
@@ -197,8 +198,6 @@ def _context():
     Triton's stub ``sys.executable`` may name the stub binary)."""
     context = multiprocessing.get_context("forkserver")
     if not os.path.basename(os.fsdecode(multiprocessing.spawn.get_executable() or "")).startswith("python"):
-        from backend.engine_core.process_handle import python_executable  # noqa: PLC0415
-
         context.set_executable(python_executable())
     context.set_forkserver_preload(_PRELOAD)
     return context

@@ -17,7 +17,7 @@ Whenever ``sampling_parameters.logprobs`` is set (TensorRT-LLM's ``return_log_pr
 or without the flags): ``output_log_probs`` (FP32 [1, tokens of the response], the chosen tokens'),
 with ``logprobs: k > 0`` also ``top_logprobs`` (BYTES [1, 1]: JSON, per token of the response a
 list of the k best ``{"token_id", "text", "logprob"}``), and ``cumulative_logprob`` on the final
-response. They come from the sampler's final distribution (backend/engine/sampler.py: after penalties,
+response. They come from the sampler's final distribution (backend/runner/sampler.py: after penalties,
 masks and temperature; for greedy requests the log-softmax of the penalised logits), the
 distribution the token was actually drawn from.
 

@@ -17,7 +17,7 @@ from tests.unit.test_engine_core_process import process_alive
 
 pytestmark = pytest.mark.integration
 
-WORKER_MODULE = b"backend.parallel.worker"
+WORKER_MODULE = b"backend.runner.tp_worker"
 
 
 def test_size_2_streams_the_ids_of_size_1_and_its_worker_ends_with_the_server(make_server):

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from backend.attention.cpu_backend import CpuAttentionBackend
-from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request
-from backend.engine.scheduler import ScheduledRequest as Scheduled
 from backend.models.cpu_linear import probe_packing
 from backend.models.cpu_stack import CpuDecoderStack
 from backend.models.loader import load_model
 from backend.protocol.sampling import SamplingParams
+from backend.runner.model_runner import ModelRunner
+from backend.runner.scheduled import ScheduledRequest as Scheduled
 from tests.kernels.conftest import both_builds
 from tests.unit.random_models import get_random_model
 

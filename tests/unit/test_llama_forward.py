@@ -10,13 +10,13 @@ import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request
-from backend.engine.scheduler import ScheduledRequest as Scheduled
 from backend.models.family import ModelFamily
 from backend.models.loader import ModelLoadError, load_config, load_model
 from backend.models.rope import compute_inv_freq, get_rope_parameters
 from backend.protocol.sampling import SamplingParams
+from backend.runner.model_runner import ModelRunner
+from backend.runner.scheduled import ScheduledRequest as Scheduled
 from tests.unit.random_models import LLAMA3_ROPE, MODEL_SPECS, get_random_model, reference_logits
 
 CPU = torch.device("cpu")

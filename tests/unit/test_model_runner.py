@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine.model_runner import ModelRunner, allocate_kv_caches
 from backend.engine.request import Request
-from backend.engine.scheduler import ScheduledRequest as Scheduled
 from backend.models.loader import load_model
 from backend.models.shape import ModelShape
 from backend.protocol.sampling import SamplingParams
+from backend.runner.model_runner import ModelRunner, allocate_kv_caches
+from backend.runner.scheduled import ScheduledRequest as Scheduled
 from tests.unit.random_models import get_random_model, reference_greedy, reference_logits
 
 CPU = torch.device("cpu")

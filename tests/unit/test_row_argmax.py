@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine.row_argmax import row_argmax
+from backend.runner.row_argmax import row_argmax
 
 
 def test_matches_torch_on_random_rows_and_views():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from backend.engine.request import Request
-from backend.engine.sampler import Sampler, SamplerOutput
 from backend.protocol.sampling import SamplingParams
+from backend.runner.sampler import Sampler, SamplerOutput
 
 VOCAB = 64
 
@@ -242,7 +242,7 @@ def test_filters_match_full_sort_reference() -> None:
                 min_p=(0.0, 0.0, 0.05)[i % 3 if i % 2 else 0],
             )
         )
-    got = torch.isfinite(Sampler._process_random(logits.clone(), reqs))
+    got = torch.isfinite(Sampler.process_random(logits.clone(), reqs))
     want = torch.stack([_reference_kept(logits[i], r.sampling_params) for i, r in enumerate(reqs)])
     assert torch.equal(got, want)
     kept = want.sum(-1)

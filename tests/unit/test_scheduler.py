@@ -339,11 +339,11 @@ def test_proposed_tokens_ride_along_within_the_budget_and_are_counted_in_it():
     scheduler = make_scheduler(max_num_batched_tokens=24)
     first, second = make_request("a", 16, max_tokens=16), make_request("b", 7, max_tokens=16)
     _prefilled(scheduler, first, second)
-    first.spec_token_ids = list(range(100, 120))
-    second.spec_token_ids = [5, 6, 7, 8]
+    first.spec.token_ids = list(range(100, 120))
+    second.spec.token_ids = [5, 6, 7, 8]
     output = scheduler.schedule()
     assert plan(output) == [("a", 21), ("b", 3)]  # b keeps the 2 proposals the budget had room for
-    assert output.scheduled[0].spec_token_ids == first.spec_token_ids and output.scheduled[1].spec_token_ids == [5, 6]
+    assert output.scheduled[0].spec_token_ids == first.spec.token_ids and output.scheduled[1].spec_token_ids == [5, 6]
     assert output.scheduled[0].is_last_chunk and len(output.scheduled[0].block_ids) == 3  # 16 + 1 + 20 tokens
 
 
@@ -353,7 +353,7 @@ def test_proposals_never_take_the_block_a_later_request_needs():
     scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
     first, second = make_request("a", 16, max_tokens=16), make_request("b", 32, max_tokens=16)
     _prefilled(scheduler, first, second)
-    first.spec_token_ids = list(range(100, 116))
+    first.spec.token_ids = list(range(100, 116))
     output = scheduler.schedule()
     assert plan(output) == [("a", 1), ("b", 1)] and not output.preempted
     assert output.scheduled[0].spec_token_ids == [] and scheduler.kv_cache_manager.num_free_blocks == 0

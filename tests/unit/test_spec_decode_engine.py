@@ -263,6 +263,6 @@ def test_rejected_positions_leave_no_blocks_and_no_hashes_behind(baseline):
             for i, block in enumerate(blocks):
                 if block.block_hash is not None:
                     assert (i + 1) * size <= request.num_computed_tokens
-                    assert block.block_hash == request.block_hashes[i]
+                    assert block.block_hash == request.kv.block_hashes[i]
     assert crossed > 0 and llm.stats().spec_decode_num_accepted_tokens < llm.stats().spec_decode_num_draft_tokens
     assert manager.usage == 0.0

@@ -46,7 +46,7 @@ from tests.unit import test_model_families as families
 from tests.unit import test_real_model_parity as real
 from tests.unit.random_models import build_random_model, get_random_model, make_config
 
-WORKER_MODULE = b"backend.parallel.worker"
+WORKER_MODULE = b"backend.runner.tp_worker"
 
 
 def with_size(config: EngineConfig, size: int, **cache) -> EngineConfig:

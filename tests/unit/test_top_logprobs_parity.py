@@ -2,7 +2,7 @@
 
 The chosen token's logprob and the k best (ids and values) at every output position equal the
 log-softmax of transformers' float32 logits for the same tokens; with a penalty they follow the
-penalised distribution, which is what a request's sampler draws from (backend/engine/sampler.py).
+penalised distribution, which is what a request's sampler draws from (backend/runner/sampler.py).
 """
 
 from __future__ import annotations

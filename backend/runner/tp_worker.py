@@ -1,4 +1,4 @@
-"""A tensor-parallel worker: ``python -m backend.parallel.worker SPEC_FILE`` (rank 1..N-1).
+"""A tensor-parallel worker: ``python -m backend.runner.tp_worker SPEC_FILE`` (rank 1..N-1).
 
 Started by rank 0 (backend/parallel/driver.py) with rank 0's own interpreter. It joins the group,
 loads its shard of the model and allocates its share of the KV cache (the same block count as rank
@@ -19,7 +19,7 @@ import time
 
 PARENT_POLL_SECONDS = 0.5
 
-logger = logging.getLogger("backend.parallel.worker")
+logger = logging.getLogger("backend.runner.tp_worker")
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -45,7 +45,7 @@ def serve(runner, stream) -> None:
     """Runs rank 0's commands until shutdown or end of input."""
     import torch  # noqa: PLC0415
 
-    from backend.engine.model_runner import select_rows  # noqa: PLC0415
+    from backend.runner.model_runner import select_rows  # noqa: PLC0415
 
     model, hidden = runner.model, None
     with torch.inference_mode():
@@ -82,8 +82,8 @@ def main(argv: list[str]) -> int:
     status = os.fdopen(spec.status_fd, "w", buffering=1)
     import torch  # noqa: PLC0415
 
-    from backend.engine.model_runner import ModelRunner, resolve_device  # noqa: PLC0415
     from backend.parallel import group  # noqa: PLC0415
+    from backend.runner.model_runner import ModelRunner, resolve_device  # noqa: PLC0415
 
     device = group.rank_device(resolve_device(spec.model_config.device), spec.rank)
     if device.type == "cpu":

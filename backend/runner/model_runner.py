@@ -26,9 +26,9 @@ import torch
 
 from backend.attention.base import AttentionMetadata
 from backend.config import CacheConfig, ConfigError, ModelConfig
-from backend.engine.request import Request
-from backend.engine.sampler import chosen_logprobs
 from backend.models.shape import ModelShape, ceil_div
+from backend.runner.sampler import chosen_logprobs
+from backend.runner.scheduled import RunnerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +36,9 @@ PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits exist at once (bound
 
 
 class ScheduledLike(Protocol):
-    """What the runner reads of a scheduled request (backend.engine.scheduler.ScheduledRequest)."""
+    """What the runner reads of a scheduled request (backend/runner/scheduled.py ``ScheduledRequest``)."""
 
-    request: Request  # reads all_token_ids, num_tokens
+    request: RunnerRequest
     num_new_tokens: int
     num_computed_tokens: int  # snapshot before this step
     block_ids: list[int]  # the request's whole block table
@@ -120,7 +120,7 @@ def select_rows(
     rows: torch.Tensor | tuple[int, int] | None,  # index tensor [n] int64, a (start, end) slice, or None: all
 ) -> torch.Tensor:  # [n, hidden_size]
     """The rows of a forward's hidden states that get logits: what rank 0 scores and what it tells
-    the other ranks of a tensor-parallel group to score (backend/parallel/worker.py)."""
+    the other ranks of a tensor-parallel group to score (backend/runner/tp_worker.py)."""
     if rows is None:
         return hidden
     if isinstance(rows, tuple):

@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.request import Request
-from backend.engine.row_argmax import row_argmax
 from backend.protocol.sampling import SamplingParams
+from backend.runner.row_argmax import row_argmax
+from backend.runner.scheduled import RunnerRequest
 
 
 @dataclass(slots=True)
@@ -68,7 +68,7 @@ def _has_penalties(sp: SamplingParams) -> bool:
     return sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
 
 
-def _min_tokens_stop_ids(request: Request) -> list[int]:
+def _min_tokens_stop_ids(request: RunnerRequest) -> list[int]:
     """Token ids to mask for this request this step ([] once min_tokens outputs exist)."""
     sp = request.sampling_params
     if request.num_output_tokens >= sp.min_tokens:
@@ -87,22 +87,22 @@ class Sampler:
 
     def __init__(self, seed: int | None = None) -> None:
         self._seed = seed  # engine generator seed; None: nondeterministic
-        self._engine_generators: dict[torch.device, torch.Generator] = {}
+        self._generators_by_device: dict[torch.device, torch.Generator] = {}
 
     # ------------------------------------------------------------------ generators
 
-    def _engine_generator(self, device: torch.device) -> torch.Generator:
-        gen = self._engine_generators.get(device)
+    def engine_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators_by_device.get(device)
         if gen is None:
             gen = torch.Generator(device=device)
             if self._seed is None:
                 gen.seed()
             else:
                 gen.manual_seed(self._seed)
-            self._engine_generators[device] = gen
+            self._generators_by_device[device] = gen
         return gen
 
-    def _request_generator(self, request: Request, device: torch.device) -> torch.Generator:
+    def request_generator(self, request: RunnerRequest, device: torch.device) -> torch.Generator:
         """The seeded request's own generator, kept on the request (it goes when the request goes)."""
         if request.generator is None:
             request.generator = torch.Generator(device=device)
@@ -114,7 +114,7 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,  # [num_rows, vocab_size], any float dtype
-        requests: list[Request],
+        requests: list[RunnerRequest],
     ) -> SamplerOutput:
         """Samples one token for each row; row i belongs to ``requests[i]``."""
         num_rows = logits.shape[0]
@@ -162,7 +162,7 @@ class Sampler:
         if random_rows:
             r_logits, r_idx = _select_rows(logits, random_rows)  # [num_random, vocab]
             r_requests = [requests[i] for i in random_rows]
-            r_logits = self._process_random(r_logits, r_requests)
+            r_logits = self.process_random(r_logits, r_requests)
             probs = torch.softmax(r_logits, dim=-1)  # [num_random, vocab]
             q = self._exponential(probs.shape, r_requests, device)  # [num_random, vocab]
             r_tokens = probs.div_(q).argmax(dim=-1)  # [num_random]
@@ -223,7 +223,7 @@ class Sampler:
     @staticmethod
     def _apply_min_tokens(
         logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
-        requests: list[Request],
+        requests: list[RunnerRequest],
     ) -> None:
         rows: list[int] = []
         cols: list[int] = []
@@ -247,7 +247,7 @@ class Sampler:
     @staticmethod
     def _apply_penalties(
         logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
-        requests: list[Request],
+        requests: list[RunnerRequest],
     ) -> None:
         """Repetition, then frequency and presence penalties; O(tokens), not O(rows x vocab)."""
         device = logits.device
@@ -300,9 +300,9 @@ class Sampler:
             )
 
     @staticmethod
-    def _process_random(
+    def process_random(
         logits: torch.Tensor,  # [num_random, vocab_size] float32, penalised; modified in place
-        requests: list[Request],
+        requests: list[RunnerRequest],
     ) -> torch.Tensor:  # [num_random, vocab_size], masked tokens at -inf
         """Temperature, min-p, top-k, top-p (vLLM v1 order)."""
         device = logits.device
@@ -344,24 +344,24 @@ class Sampler:
     def _exponential(
         self,
         shape: torch.Size,  # (num_random, vocab_size)
-        requests: list[Request],
+        requests: list[RunnerRequest],
         device: torch.device,
     ) -> torch.Tensor:  # [num_random, vocab_size], i.i.d. Exponential(1), > 0
         """Exponential(1) noise as -log(U): several times faster than exponential_ on CPU."""
         u = torch.empty(shape, dtype=torch.float32, device=device)
         unseeded = [j for j, r in enumerate(requests) if r.sampling_params.seed is None]
         if len(unseeded) == len(requests):
-            u.uniform_(generator=self._engine_generator(device))
+            u.uniform_(generator=self.engine_generator(device))
         else:
             if unseeded:
                 draw = torch.empty(len(unseeded), shape[1], dtype=torch.float32, device=device)
-                draw.uniform_(generator=self._engine_generator(device))
+                draw.uniform_(generator=self.engine_generator(device))
                 u[torch.tensor(unseeded, device=device)] = draw
             for j, r in enumerate(requests):
                 if r.sampling_params.seed is not None:
                     # One vocab-sized draw per step from the request's own stream: the result
                     # depends only on its seed and step, never on the batch around it.
-                    u[j].uniform_(generator=self._request_generator(r, device))
+                    u[j].uniform_(generator=self.request_generator(r, device))
         # U < 1 so q > 0. U == 0 would give q = inf and probs / q = 0 for an allowed token (a row
         # with one allowed token would then pick a masked one): clamp so q stays finite (<= 87.4).
         return u.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
