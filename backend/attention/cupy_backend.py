@@ -56,7 +56,7 @@ Launch = Callable[[Any, tuple[int, ...], tuple[int, ...], tuple[Any, ...]], None
 def cupy_available() -> tuple[bool, str]:
     """(True, description) when CuPy, a CUDA device and NVRTC are usable here, else (False, reason)."""
     try:
-        import cupy
+        import cupy  # noqa: PLC0415 (optional: cupy, on NVIDIA GPUs only)
     except Exception as exc:  # ImportError, or a CUDA library error raised while importing
         return (
             False,
@@ -86,9 +86,9 @@ def cupy_module(spec: ModuleSpec) -> Any:
     retried with the folder kernels.nvrtc.cuda_include_dir() finds (a CUDA toolkit's, or the
     nvidia-cuda-runtime-cu12 wheel's).
     """
-    import cupy
+    import cupy  # noqa: PLC0415 (optional: cupy, on NVIDIA GPUs only)
 
-    from kernels.nvrtc import cuda_include_dir
+    from kernels.nvrtc import cuda_include_dir  # noqa: PLC0415 (optional: only where CuPy compiles a kernel)
 
     def build(options: tuple[str, ...]) -> Any:
         module = cupy.RawModule(code=spec.code(), options=options)
@@ -116,7 +116,7 @@ def cupy_module(spec: ModuleSpec) -> Any:
 def cupy_launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
     """Launches on torch's current stream of the tensors' device; tensors go over DLPack (bf16 as
     its int16 bits: CuPy has no bfloat16, the kernel only needs the pointer)."""
-    import cupy
+    import cupy  # noqa: PLC0415 (optional: cupy, on NVIDIA GPUs only)
 
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     with (

@@ -13,6 +13,10 @@ import logging
 
 import torch
 
+from backend.attention.cpu_backend import CpuAttentionBackend
+from backend.attention.cpu_kernel.build import KernelUnavailable, load_kernel
+from backend.attention.cpu_kernel.dtypes import KERNEL_DTYPES
+from backend.attention.cupy_backend import CupyAttentionBackend, cupy_available
 from backend.attention.paged import PagedAttentionBackend as AttentionBackend
 from backend.attention.torch_backend import TorchAttentionBackend
 
@@ -25,7 +29,6 @@ def cupy_usable(device: torch.device) -> tuple[bool, str]:
     """(True, description) when the CuPy kernels can run on ``device``, else (False, reason)."""
     if device.type != "cuda":
         return False, f"the engine runs on device '{device}', not CUDA"
-    from backend.attention.cupy_backend import cupy_available  # noqa: PLC0415 (imports no CuPy itself)
 
     return cupy_available()
 
@@ -35,9 +38,6 @@ def cpu_kernel_backend(device: torch.device, head_size: int | None, dtype: torch
     """(the CPU kernel backend, None) or (None, why it cannot serve here)."""
     if device.type != "cpu":
         return None, f"the engine runs on device '{device}', not the CPU"
-    from backend.attention.cpu_backend import CpuAttentionBackend  # noqa: PLC0415
-    from backend.attention.cpu_kernel.build import KernelUnavailable, load_kernel  # noqa: PLC0415
-    from backend.attention.cpu_kernel.dtypes import KERNEL_DTYPES  # noqa: PLC0415
 
     if dtype is not None and dtype not in KERNEL_DTYPES:
         return None, f"the kernel takes float32 and bfloat16, not {dtype}"
@@ -85,7 +85,6 @@ def get_attention_backend(
         raise ValueError(
             f"parameter 'attention_backend': 'cupy' cannot run here ({reason}); use 'torch' or 'auto'"
         )
-    from backend.attention.cupy_backend import CupyAttentionBackend  # noqa: PLC0415
 
     backend = CupyAttentionBackend(device, head_size=head_size, dtype=dtype)
     if head_size is not None and dtype is not None:

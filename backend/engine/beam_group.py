@@ -23,10 +23,6 @@ if TYPE_CHECKING:
     from backend.protocol.sampling import SamplingParams
 
 
-def beam_request_id(request_id: str, number: int) -> str:
-    return request_id if number == 0 else f"{request_id}\x1fbeam{number}"
-
-
 @dataclass(slots=True, eq=False)
 class BeamGroup:
     request_id: str  # the client's

@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from backend.proc_stat import CLOCK_TICKS, read_proc_stat
 
 logger = logging.getLogger(__name__)
@@ -204,8 +206,6 @@ class CpuThreadGovernor:
 def cpu_thread_governor(enabled: bool, device_type: str, tensor_parallel_size: int) -> CpuThreadGovernor | None:
     """The governor of this process's torch threads, or None where it has nothing to do (see the
     module docstring) or this system has no per-thread schedstats."""
-    import torch  # noqa: PLC0415
-
     full = torch.get_num_threads()
     if not enabled or device_type != "cpu" or tensor_parallel_size > 1 or full < 2:
         return None

@@ -11,6 +11,12 @@ if TYPE_CHECKING:
     from backend.engine.sequence_group import SequenceGroup
 
 
+def forked_request_id(request_id: str, kind: str, index: int) -> str:
+    """The engine's id of sample or beam ``index`` of a request (``kind``: "sample" or "beam"); the
+    first keeps the client's id. The unit separator keeps a forked id apart from clients' ids."""
+    return request_id if index == 0 else f"{request_id}\x1f{kind}{index}"
+
+
 @dataclass(slots=True)
 class Fanout:
     group: SequenceGroup | None = None  # the samples of an n > 1 request; this is sample ``sequence_index``

@@ -42,6 +42,8 @@ from backend.kv_cache.manager import KVCacheManager
 from backend.kv_cache.offload.from_config import build_offloader
 from backend.kv_cache.request_view import RequestBlocks
 from backend.kv_transfer.from_config import attach_kv_transfer
+from backend.lora.manager import LORA_ARCHITECTURES, LoRAManager, root_hash
+from backend.lora.registry import LoRAConfigError
 from backend.parallel.driver import WorkerLost
 from backend.protocol.outputs import EngineStats, GenerationResult, RequestOutput
 from backend.protocol.sampling import SamplingParams
@@ -49,6 +51,7 @@ from backend.protocol.structured_output import StructuredOutputError
 from backend.runner.model_runner import ModelRunner
 from backend.runner.sampler import Sampler
 from backend.spec_decode.speculator import Speculator
+from backend.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +126,6 @@ class LLMEngine:
         enable_lora. A bad multi_lora.json fails the engine's start naming the file."""
         if not self.config.lora.enable_lora:
             return None
-        from backend.lora.manager import LORA_ARCHITECTURES, LoRAManager  # noqa: PLC0415
-        from backend.lora.registry import LoRAConfigError  # noqa: PLC0415
 
         runner, scheduler = self.model_runner, self.scheduler
         family = runner.model.family
@@ -146,8 +147,6 @@ class LLMEngine:
         """Grammar compiler and matchers (backend/structured_output); None without xgrammar. A compile
         worker that cannot start fails the engine's start (CompileWorkerError), not each request."""
         try:
-            from backend.structured_output.manager import StructuredOutputManager  # noqa: PLC0415
-
             return StructuredOutputManager.for_tokenizer(
                 self.tokenizer, self.vocab_size, self.eos_token_id, self.config.scheduler.max_num_seqs,
                 self.config.structured_output)
@@ -224,8 +223,6 @@ class LLMEngine:
         returns what its KV blocks chain to (backend/lora/manager.py root_hash)."""
         if self.lora is None:
             raise EngineInputError("lora_name: this model serves no LoRA adapters (parameter enable_lora)")
-        from backend.lora.manager import root_hash  # noqa: PLC0415
-        from backend.lora.registry import LoRAConfigError  # noqa: PLC0415
 
         try:
             return root_hash(self.lora.require(name))

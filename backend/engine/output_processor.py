@@ -27,12 +27,13 @@ import time
 
 import torch
 
-from backend.engine.beam_group import BeamGroup, beam_request_id
+from backend.engine.beam_group import BeamGroup
 from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.fanout import forked_request_id
 from backend.engine.outputs import StepStats
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Scheduler
-from backend.engine.sequence_group import SequenceGroup, sequence_request_id
+from backend.engine.sequence_group import SequenceGroup
 from backend.engine.step_clock import PhaseClock
 from backend.protocol.outputs import FinishReason, RequestOutput
 from backend.runner.sampler import Sampler, SamplerOutput
@@ -289,7 +290,7 @@ class OutputProcessor:
             for index in range(1, group.n):
                 child_params = dataclasses.replace(
                     params, n=1, prompt_logprobs=None, seed=None if params.seed is None else (params.seed + index) % 2**64)
-                child = parent.child(sequence_request_id(group.request_id, index), child_params)
+                child = parent.child(forked_request_id(group.request_id, "sample", index), child_params)
                 child.fanout.group, child.fanout.sequence_index = group, index
                 child.detokenizer = self._detokenizer(child)
                 self.scheduler.add_forked(parent, child)
@@ -337,7 +338,8 @@ class OutputProcessor:
                 taken.add(parent_index)
                 new.append(parent)
                 continue
-            child = parent.child(beam_request_id(group.request_id, group.num_created), parent.sampling_params)
+            child = parent.child(forked_request_id(group.request_id, "beam", group.num_created),
+                                 parent.sampling_params)
             group.num_created += 1
             child.fanout.beam = group
             self.scheduler.add_forked(parent, child)

@@ -18,6 +18,7 @@ from backend.kv_cache.request_view import RequestBlocks
 from backend.kv_transfer.handoff import Handoff
 from backend.protocol.outputs import FinishReason
 from backend.protocol.sampling import SamplingParams
+from backend.sequence_view import TokenCounts
 from backend.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:  # annotations only: this module stays importable without torch
@@ -42,7 +43,7 @@ class RequestStatus(enum.IntEnum):
 
 
 @dataclass(slots=True, eq=False)
-class Request:
+class Request(TokenCounts):
     """One generation request: its identity, tokens, status and timing, and one record per feature.
 
     Each record belongs to the feature that alone writes it (backend/kv_cache: ``kv``; speculation:
@@ -79,18 +80,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:

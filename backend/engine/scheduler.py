@@ -147,7 +147,6 @@ class Scheduler:
         child waits and recomputes, as the parent will."""
         if parent.status == RequestStatus.RUNNING:
             child.status = RequestStatus.RUNNING
-            child.num_computed_tokens = parent.num_computed_tokens  # the KV of these is shared
             self.kv_cache_manager.fork(parent, child)
             self.running.append(child)
         else:

@@ -22,11 +22,6 @@ if TYPE_CHECKING:
     from backend.engine.request import Request
 
 
-def sequence_request_id(request_id: str, index: int) -> str:
-    """The engine's id of sample ``index`` (sample 0 keeps the client's id)."""
-    return request_id if index == 0 else f"{request_id}\x1fsample{index}"
-
-
 @dataclass(slots=True, eq=False)
 class SequenceGroup:
     request_id: str  # the client's

@@ -19,6 +19,8 @@ import importlib.util
 import json
 import os
 
+import transformers
+
 # Classes transformers implements on the tokenizers library alone.
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast", "PythonBackend")
 MISTRAL_COMMON = "MistralCommonBackend"
@@ -66,8 +68,6 @@ def _byte_level(folder: str) -> bool:
 
 def _known(name: str) -> str:
     """``name`` as transformers resolves a class name (``XFast`` is ``X`` in v5), else the generic class."""
-    import transformers  # noqa: PLC0415 (tokenizer classes only; transformers' top level imports no torch)
-
     for candidate in (name.removesuffix("Fast"), name):
         if candidate not in ("PythonBackend", "PreTrainedTokenizer") and hasattr(transformers, candidate):
             return candidate
@@ -105,8 +105,6 @@ def auto_tokenizer_class(folder: str) -> str | None:
 
 def load_tokenizer(folder: str):
     """The folder's tokenizer, as AutoTokenizer would load it (the same class, so the same ids)."""
-    import transformers  # noqa: PLC0415 (a second to import: only where a tokenizer is loaded)
-
     name = auto_tokenizer_class(folder)
     if name is None:
         return transformers.AutoTokenizer.from_pretrained(folder)

@@ -28,6 +28,20 @@ import sys
 import threading
 import time
 
+import zmq
+
+from backend.engine_core.core import EngineCore
+from backend.engine_core.stub_watch import on_stub_death
+from backend.protocol.messages import (
+    EXIT_REASON_FILE,
+    CoreFailed,
+    CoreOutputs,
+    CoreReady,
+    encoder,
+    input_decoder,
+)
+from backend.structured_output.compile_worker import end_fork_server, end_resource_tracker
+
 HEARTBEAT_SECONDS = 0.5
 PARENT_POLL_SECONDS = 0.1  # a dead stub's recovery starts this soon at worst (a getppid call per poll)
 EXIT_RANK_LOST = 3
@@ -43,8 +57,6 @@ def watch_parent(parent_pid: int, stub_watch=None) -> None:
     def run() -> None:
         while True:
             if os.getppid() != parent_pid:
-                from backend.engine_core.stub_watch import on_stub_death  # noqa: PLC0415
-
                 on_stub_death(stub_watch)
                 end_compile_processes()
                 os._exit(0)
@@ -59,7 +71,6 @@ def end_compile_processes() -> None:
     still importing at its low priority would notice this process's end only seconds later."""
     if "multiprocessing.forkserver" not in sys.modules:
         return
-    from backend.structured_output.compile_worker import end_fork_server, end_resource_tracker  # noqa: PLC0415
 
     try:
         end_fork_server()
@@ -70,7 +81,7 @@ def end_compile_processes() -> None:
 
 def bind_torch_threads() -> int:
     """One torch thread per core this process may run on (what the affinity mask allows)."""
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (process: after the parent watch started; torch takes seconds to import)
 
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)
@@ -79,10 +90,6 @@ def bind_torch_threads() -> int:
 
 def serve(core, input_socket, output_socket, autostep: bool) -> None:
     """The loop (see the module docstring); returns after a shutdown message."""
-    import zmq  # noqa: PLC0415
-
-    from backend.protocol.messages import CoreOutputs, encoder, input_decoder  # noqa: PLC0415
-
     encode, decode = encoder().encode, input_decoder().decode
     poller = zmq.Poller()
     poller.register(input_socket, zmq.POLLIN)
@@ -133,9 +140,6 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(workdir, "spec.pkl"), "rb") as handle:
         spec = pickle.load(handle)  # written by process_handle.CoreProcess: our own file
     watch_parent(spec["parent_pid"], spec.get("stub_watch"))
-    import zmq  # noqa: PLC0415
-
-    from backend.protocol.messages import CoreFailed, CoreReady, encoder  # noqa: PLC0415
 
     context = zmq.Context()
     output_socket = context.socket(zmq.PUSH)
@@ -147,8 +151,7 @@ def main(argv: list[str]) -> int:
     input_socket.connect(spec["input_address"])
     try:
         threads = bind_torch_threads()
-        from backend.engine.llm_engine import LLMEngine  # noqa: PLC0415
-        from backend.engine_core.core import EngineCore  # noqa: PLC0415
+        from backend.engine.llm_engine import LLMEngine  # noqa: PLC0415 (process: after the parent watch started; torch takes seconds to import)
 
         engine = LLMEngine(spec["config"])
         core = EngineCore(engine)
@@ -161,8 +164,7 @@ def main(argv: list[str]) -> int:
     logger.info("ready: %d torch threads, %d KV blocks", threads, engine.num_kv_blocks)
     output_socket.send(encoder().encode(CoreReady(os.getpid(), engine.vocab_size, engine.max_model_len,
                                                   engine.num_kv_blocks)))
-    from backend.parallel.driver import WorkerLost  # noqa: PLC0415
-    from backend.protocol.messages import EXIT_REASON_FILE  # noqa: PLC0415
+    from backend.parallel.driver import WorkerLost  # noqa: PLC0415 (process: after the parent watch started; torch takes seconds to import)
 
     try:
         serve(core, input_socket, output_socket, autostep=spec["autostep"])

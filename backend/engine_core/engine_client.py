@@ -1,6 +1,6 @@
 """The one interface through which the front end (a Triton model) reaches the engine core.
 
-Three implementations, picked by ``make_engine_client``:
+Three implementations, picked by ``make_engine_client`` (backend/engine_core/make_client.py):
 
 - ``InThreadClient`` (backend/engine_core/in_thread.py): the engine on a thread of this process,
   stepping on its own (`llm` with ``engine_process: false``);
@@ -28,8 +28,7 @@ What a request goes through, the same on all three:
 
 ``abort(request_id)`` ends a request before the engine's next step; ``begin_drain(grace)`` refuses
 new requests and has the core end what still runs after ``grace`` seconds; ``stop()`` ends every
-request with an error and the engine with them. Nothing here imports Triton or torch (the
-implementations that run the engine in this process import it when they are made).
+request with an error and the engine with them. Nothing here imports Triton or torch.
 """
 
 from __future__ import annotations
@@ -41,9 +40,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from backend.config import EngineConfig
 from backend.engine_core.admission import AdmissionControl
-from backend.engine_core.stub_watch import StubWatch
 from backend.protocol.messages import AddRequest, CoreReady
 from backend.protocol.outputs import EngineStats, RequestOutput
 
@@ -118,37 +115,3 @@ class EngineClient(abc.ABC):
     def stop(self, timeout: float = 30.0, message: str | None = None) -> None:
         """Every unfinished request ends with an error naming ``message`` (default: the model is
         being unloaded), the engine stops, then ``None`` is posted."""
-
-
-def make_engine_client(config: EngineConfig, *, step_on_demand: bool, in_process: bool,
-                       heartbeat_timeout: float, stub_watch: StubWatch | None = None,
-                       on_restart: Callable[[str], None] | None = None,
-                       on_ipc: Callable[[float], None] | None = None) -> EngineClient:
-    """The client a model asks for: stepping on demand or free-running, the engine in this process
-    or in its own. Only ``in_process`` loads the engine (and torch) into this process."""
-    max_queue_len = config.scheduler.max_queue_len
-    per_client = config.scheduler.max_requests_per_client
-    if step_on_demand:
-        from backend.engine_core.step_on_demand import (  # noqa: PLC0415
-            InProcessTransport,
-            ProcessTransport,
-            StepOnDemandClient,
-        )
-
-        transport = (InProcessTransport(_load_engine(config)) if in_process
-                     else ProcessTransport(config, heartbeat_timeout, on_restart, stub_watch))
-        return StepOnDemandClient(transport, max_queue_len, per_client)
-    if in_process:
-        from backend.engine_core.in_thread import InThreadClient  # noqa: PLC0415
-
-        return InThreadClient(_load_engine(config), max_queue_len, per_client)
-    from backend.engine_core.process_client import ProcessClient  # noqa: PLC0415
-
-    return ProcessClient(config, max_queue_len, heartbeat_timeout, on_restart=on_restart, on_ipc=on_ipc,
-                         stub_watch=stub_watch, max_requests_per_client=per_client)
-
-
-def _load_engine(config: EngineConfig):
-    from backend.engine.llm_engine import LLMEngine  # noqa: PLC0415 (torch: only with the engine in this process)
-
-    return LLMEngine(config)

@@ -281,6 +281,7 @@ class KVCacheManager:
             copied = iter(copies)
             blocks = [b if b.is_null else next(copied) for b in blocks]
         self.req_to_blocks[child.request_id] = blocks
+        child.num_computed_tokens = parent.num_computed_tokens  # their KV is the child's too
         child.kv = parent.kv.forked()
 
     def _copy_on_write(self, request: CachedSequence, req_blocks: list[KVCacheBlock]) -> bool:

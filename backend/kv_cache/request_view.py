@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from backend.kv_cache.block_pool import BlockHash
-from backend.protocol.sampling import SamplingParams
+from backend.sequence_view import SequenceView
 
 
 @dataclass(slots=True)
@@ -27,20 +27,12 @@ class RequestBlocks:
         return RequestBlocks(self.hash_root, list(self.block_hashes), self.num_cached_blocks, self.remote_pull_done)
 
 
-class CachedSequence(Protocol):
-    """What the KV cache reads of a request (the engine's Request, a draft model's shadow sequence)."""
+class CachedSequence(SequenceView, Protocol):
+    """What the KV cache reads of a request (the engine's Request, a draft model's shadow sequence);
+    of its sampling parameters, prompt_logprobs (no prefix hits) and kv_transfer_params."""
 
-    request_id: str
-    all_token_ids: list[int]  # prompt + output
     num_computed_tokens: int  # tokens whose KV is in the cache
-    sampling_params: SamplingParams  # reads prompt_logprobs (no prefix hits) and kv_transfer_params
     kv: RequestBlocks
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
 
     @property
     def is_finished(self) -> bool: ...

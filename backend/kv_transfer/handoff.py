@@ -8,7 +8,7 @@ from typing import Protocol
 
 from backend.kv_cache.request_view import RequestBlocks
 from backend.protocol.outputs import FinishReason
-from backend.protocol.sampling import SamplingParams
+from backend.sequence_view import SequenceView
 
 
 @dataclass(slots=True)
@@ -16,15 +16,11 @@ class Handoff:
     params: dict | None = None  # vLLM's kv_transfer_params of the final answer (remote engine, blocks, ...)
 
 
-class FinishedPrompt(Protocol):
-    """What the transfer server reads of a finished request (the engine's Request)."""
+class FinishedPrompt(SequenceView, Protocol):
+    """What the transfer server reads of a finished request (the engine's Request); of its sampling
+    parameters, kv_transfer_params."""
 
-    request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams  # reads kv_transfer_params
     finish_reason: FinishReason | None
     kv: RequestBlocks  # reads hash_root
     kv_transfer: Handoff
-
-    @property
-    def num_prompt_tokens(self) -> int: ...

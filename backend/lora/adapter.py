@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from backend.lora.registry import AdapterEntry, LoRAConfigError
 from backend.models.shape import ModelShape
+from backend.parallel.shard import shard_checkpoint_tensor
 
 # fused projection -> its parts (checkpoint module names), in the fused layout's order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -111,7 +112,6 @@ def load_adapter(entry: AdapterEntry, shape: ModelShape, max_rank: int, dtype: t
     layout. A tensor-parallel ``shard`` (``local``: its shape) keeps its part, sliced like the layer
     it adapts: B by output rows where the layer is column-parallel (q/k/v, gate/up), A by input
     columns where it is row-parallel (o, down; the rank's partial delta is summed with the layer's)."""
-    from backend.parallel.shard import shard_checkpoint_tensor  # noqa: PLC0415
     rank, scaling, targets = read_adapter_config(entry, max_rank)
     where = f"adapter {entry.name!r} ({entry.path})"
     path = os.path.join(entry.path, WEIGHTS_FILE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from backend.attention.cupy_backend import DTYPE_NAMES, cupy_launch, cupy_module
 from backend.models.shape import ceil_div
 from kernels.build_options import LORA_THREADS, lora_bgmv_spec
 from kernels.launch_args import lora_expand_args, lora_shrink_args
@@ -16,8 +17,6 @@ from kernels.launch_args import lora_expand_args, lora_shrink_args
 
 class CudaBGMV:
     def __init__(self, dtype: torch.dtype, module_factory=None, launch=None) -> None:
-        from backend.attention.cupy_backend import DTYPE_NAMES, cupy_launch, cupy_module  # noqa: PLC0415
-
         module = (module_factory or cupy_module)(lora_bgmv_spec(DTYPE_NAMES[dtype]))
         self.shrink = module.get_function("lora_shrink")
         self.expand = module.get_function("lora_expand")

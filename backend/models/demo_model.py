@@ -17,10 +17,15 @@ Usage: ``python -m backend.models.demo_model [--out models/demo-llama] [--force]
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from backend.models.model_folder import parse_build_args, read_build_info, write_model_folder
 from backend.paths import REPO_ROOT
@@ -57,9 +62,6 @@ class DemoModelSpec:
 
 def train_tokenizer(vocab_size: int, model_max_length: int, corpus: Path = CORPUS):
     """A byte-level BPE tokenizer (bos/eos/pad) trained on the shipped corpus; returns a HF fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -84,9 +86,6 @@ def train_tokenizer(vocab_size: int, model_max_length: int, corpus: Path = CORPU
 
 def build_model(spec: DemoModelSpec):
     """The random-weight LlamaForCausalLM of ``spec`` (deterministic for a given seed)."""
-    import torch  # noqa: PLC0415
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
-
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -148,8 +147,6 @@ def set_parameters(config_text: str, values: dict[str, str], insert_missing: boo
     A name the config does not have is inserted when ``insert_missing``, else left out (so the
     tokenizer model, which has no model_dir, is not given one).
     """
-    import re  # noqa: PLC0415
-
     for key, value in values.items():
         pattern = re.compile(r'(\{ key: "' + re.escape(key) + r'" value: \{ string_value: ")[^"]*("\s*\} \})')
         if pattern.search(config_text):

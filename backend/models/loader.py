@@ -18,9 +18,11 @@ import os
 import re
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from backend.attention.paged import PagedAttentionBackend as AttentionBackend
+from backend.attention.selector import get_attention_backend
 from backend.models.cpu_linear import probe_packing
 from backend.models.family import SUPPORTED_ARCHITECTURES, ModelFamily, ModelLoadError
 from backend.models.llama import LlamaForCausalLM
@@ -149,8 +151,6 @@ def _parameter_of(ckpt_name: str, qkv_sizes: tuple[int, int, int]):
 
 
 def _has_weight(files: list[str], suffix: str) -> bool:
-    from safetensors import safe_open
-
     for path in files:
         with safe_open(path, framework="pt") as f:
             if any(name.endswith(suffix) for name in f.keys()):
@@ -175,10 +175,6 @@ def load_model(
     (a rank of a tensor-parallel group) loads only that rank's part of each tensor
     (backend/parallel/shard.py).
     """
-    from safetensors import safe_open
-
-    from backend.attention.selector import get_attention_backend
-
     device = torch.device(device)
     hf_config = load_config(model_dir, max_model_len)
     check_shardable(hf_config, shard.size)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LAYER_TYPE_OF_KEY = {"global": "full_attention", "local": "sliding_attention"}
@@ -82,7 +83,6 @@ def rotary_frequencies(hf_config, rope_key: str, head_size: int,
     rope_type = params["rope_type"]
     if rope_type in ("default", "linear", "llama3"):
         return compute_inv_freq(params, head_size), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
 
     layer_type = LAYER_TYPE_OF_KEY[rope_key] if _per_layer_type(hf_config) else None
     kwargs = {"layer_type": layer_type} if layer_type else {}

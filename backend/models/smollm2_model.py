@@ -27,6 +27,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from backend.models.model_folder import parse_build_args, read_build_info, write_model_folder
 from backend.paths import REPO_ROOT
 
@@ -73,9 +76,6 @@ def is_built(out: Path) -> bool:
 
 def convert(source: Path, dest: Path) -> None:
     """GGUF -> a Hugging Face folder (model in SAVED_DTYPE, tokenizer, chat template) in ``dest``."""
-    import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
-
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
                                                  dtype=getattr(torch, SAVED_DTYPE))

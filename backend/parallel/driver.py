@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.parallel import group
+from backend.parallel.shm import create_file
 from backend.process_exit import describe_exit_code
 
 logger = logging.getLogger(__name__)
@@ -92,8 +93,6 @@ class TensorParallelDriver:
         self.shard = None
         try:
             if device.type == "cpu":
-                from backend.parallel.shm import create_file  # noqa: PLC0415
-
                 self._shm_file = create_file(size)
             for rank in range(1, size):
                 read_fd, write_fd = os.pipe()

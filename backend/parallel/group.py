@@ -18,8 +18,11 @@ import os
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
+from backend.attention.cpu_kernel.build import KernelUnavailable, load_kernel
 from backend.parallel.shard import TensorShard
+from backend.parallel.shm import ShmCollectives
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +41,6 @@ def join(rank: int, size: int, rendezvous_file: str, device: torch.device, shm_f
     """Joins the group (blocks until every rank has); returns this rank's shard. On CPUs with
     ``shm_file`` (made by rank 0, see shm.py) the collectives go through shared memory where the
     CPU kernels load, gloo otherwise; ``peer_pids`` are the processes whose death ends a wait."""
-    import torch.distributed as dist  # noqa: PLC0415
-
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -47,9 +48,6 @@ def join(rank: int, size: int, rendezvous_file: str, device: torch.device, shm_f
                             rank=rank, world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_SECONDS))
     shm = None
     if device.type == "cpu" and shm_file is not None:
-        from backend.attention.cpu_kernel.build import KernelUnavailable, load_kernel  # noqa: PLC0415
-        from backend.parallel.shm import ShmCollectives  # noqa: PLC0415
-
         try:
             shm = ShmCollectives(shm_file, rank, size, peer_pids or [0] * size, load_kernel())
         except KernelUnavailable as exc:
@@ -58,8 +56,6 @@ def join(rank: int, size: int, rendezvous_file: str, device: torch.device, shm_f
 
 
 def leave(shard: TensorShard | None = None) -> None:
-    import torch.distributed as dist  # noqa: PLC0415
-
     if shard is not None and shard.shm is not None:
         shard.shm.close()
     if dist.is_initialized():

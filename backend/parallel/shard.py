@@ -23,9 +23,10 @@ needs an all-to-all of tokens each way and balances only when the routing does.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
 from backend.models.family import ModelFamily, ModelLoadError
 from backend.models.shape import ModelShape, ceil_div
@@ -71,8 +72,6 @@ class TensorShard:
     # ----------------------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums ``tensor`` over the ranks, in place (contiguous); returns it."""
-        import torch.distributed as dist  # noqa: PLC0415
-
         start = time.perf_counter()
         if self.shm is not None and self.shm.fits(tensor):
             self.shm.all_reduce(tensor)
@@ -83,8 +82,6 @@ class TensorShard:
 
     def gather_columns(self, local: torch.Tensor) -> torch.Tensor | None:  # local: [rows, columns_per_rank]
         """Rank 0: every rank's columns side by side [rows, size x columns_per_rank]; others: None."""
-        import torch.distributed as dist  # noqa: PLC0415
-
         local = local.contiguous()
         start = time.perf_counter()
         if self.shm is not None and self.shm.fits(local):
@@ -121,7 +118,6 @@ def local_shape(shape: ModelShape, shard: TensorShard) -> ModelShape:
     (the logits are gathered before anyone reads them)."""
     if not shard.sharded:
         return shape
-    from dataclasses import replace  # noqa: PLC0415
 
     return replace(shape, num_heads=shape.num_heads // shard.size,
                    num_kv_heads=shard.kv_heads(shape.num_kv_heads)[1],

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import tempfile
 
 import torch
 
@@ -38,7 +39,6 @@ def create_file(size: int, slot_bytes: int = SLOT_BYTES) -> str | None:
     """Rank 0: makes the shared file for ``size`` ranks; None where there is no /dev/shm."""
     if not os.path.isdir(SHM_FOLDER):
         return None
-    import tempfile  # noqa: PLC0415
 
     handle, path = tempfile.mkstemp(prefix="llm-tp-", dir=SHM_FOLDER)
     try:

@@ -25,8 +25,16 @@ import numpy as np
 import torch
 
 from backend.attention.base import AttentionMetadata
+from backend.attention.selector import get_attention_backend
 from backend.config import CacheConfig, ConfigError, ModelConfig
+from backend.kv_cache.offload.block_io import PagedBlockIO
+from backend.lora.cuda_bgmv import CudaBGMV
+from backend.lora.step import LoRAHook
+from backend.models.loader import ModelLoadError, load_config, load_model, resolve_dtype
 from backend.models.shape import ModelShape, ceil_div
+from backend.parallel import group
+from backend.parallel.driver import TensorParallelDriver, WorkerStartError
+from backend.parallel.shard import TensorShard, check_shardable, local_shape
 from backend.runner.sampler import chosen_logprobs
 from backend.runner.scheduled import RunnerRequest
 
@@ -147,7 +155,6 @@ class ModelRunner:
         self._row_adapters: list[str | None] = []  # of the last prepare(): each row's adapter
         self.tensor_parallel = None  # rank 0 of a group: backend/parallel/driver.py, see load()
         self._pinned = None  # rank 0's affinity and thread count before the group pinned it
-        from backend.kv_cache.offload.block_io import PagedBlockIO  # noqa: PLC0415
 
         self.block_io = PagedBlockIO(self.kv_caches)
         if self.device.type == "cpu":
@@ -155,13 +162,9 @@ class ModelRunner:
 
     def attach_lora(self, manager) -> None:
         """Serve LoRA adapters: each step's rows get their request's adapter's deltas."""
-        from backend.lora.step import LoRAHook  # noqa: PLC0415
-
         self.lora = manager
         manager.slots.use_kernels(self.cpu_kernels)
         if self.cupy_attention is not None:
-            from backend.lora.cuda_bgmv import CudaBGMV  # noqa: PLC0415
-
             manager.slots.use_cuda(CudaBGMV(self.dtype, self.cupy_attention.module_factory, self.cupy_attention.launch))
         self.lora_hook = LoRAHook()
         self.model.attach_lora(self.lora_hook)
@@ -176,8 +179,6 @@ class ModelRunner:
 
         Raises ConfigError naming the parameter when the model cannot be served as configured.
         """
-        from backend.parallel.shard import TensorShard, local_shape  # noqa: PLC0415
-
         device = resolve_device(model_config.device)
         hf_config, dtype = cls._read_config(model_config, device)
         size = model_config.tensor_parallel_size
@@ -187,8 +188,6 @@ class ModelRunner:
         if size == 1:
             return cls.load_rank(model_config, cache_config.block_size, num_blocks, TensorShard(), device,
                                  (hf_config, dtype))
-        from backend.parallel import group  # noqa: PLC0415
-        from backend.parallel.driver import TensorParallelDriver, WorkerStartError  # noqa: PLC0415
 
         device = group.rank_device(device, 0)
         cores = sorted(os.sched_getaffinity(0))  # before rank 0 pins itself: every rank gets its own
@@ -211,8 +210,6 @@ class ModelRunner:
 
     @staticmethod
     def _release(driver, pinned) -> None:
-        from backend.parallel import group  # noqa: PLC0415
-
         if driver is not None:
             driver.close()
         if pinned is not None:
@@ -221,9 +218,6 @@ class ModelRunner:
     @staticmethod
     def _read_config(model_config: ModelConfig, device: torch.device):
         """(the checkpoint's config, the dtype to run in); ConfigError naming the parameter."""
-        from backend.models.loader import ModelLoadError, load_config, resolve_dtype  # noqa: PLC0415
-        from backend.parallel.shard import check_shardable  # noqa: PLC0415
-
         if not os.path.isdir(model_config.model_dir):
             raise ConfigError(f"parameter 'model_dir': {model_config.model_dir} is not a folder")
         try:
@@ -241,10 +235,6 @@ class ModelRunner:
                   config_and_dtype: tuple | None = None) -> ModelRunner:
         """One rank's runner: its shard of the weights (all of them alone) and ``num_blocks`` KV blocks.
         ``config_and_dtype``: what ``_read_config`` gave the caller already (a worker reads its own)."""
-        from backend.attention.selector import get_attention_backend  # noqa: PLC0415
-        from backend.models.loader import load_model  # noqa: PLC0415
-        from backend.parallel.shard import local_shape  # noqa: PLC0415
-
         hf_config, dtype = config_and_dtype or cls._read_config(model_config, device)
         try:
             shape = local_shape(ModelShape.of(hf_config), shard)

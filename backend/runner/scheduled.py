@@ -9,29 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from backend.protocol.sampling import SamplingParams
+from backend.sequence_view import SequenceView
 
 if TYPE_CHECKING:  # annotations only: the scheduler imports this module and stays importable without torch
     import torch
 
 
-class RunnerRequest(Protocol):
+class RunnerRequest(SequenceView, Protocol):
     """What the model runner and the sampler read of a request (the engine's Request among others)."""
 
-    request_id: str
-    all_token_ids: list[int]  # prompt + output
-    sampling_params: SamplingParams
     eos_token_id: int | None  # min_tokens masks it
     generator: torch.Generator | None  # a seeded request's, made by the sampler on first use
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-    @property
-    def num_output_tokens(self) -> int: ...
 
 
 @dataclass(slots=True)

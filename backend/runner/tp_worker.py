@@ -32,7 +32,7 @@ def watch_parent(parent_pid: int) -> None:
 
 
 def read_command(stream):
-    from backend.parallel.driver import HEADER  # noqa: PLC0415
+    from backend.parallel.driver import HEADER  # noqa: PLC0415 (process: after the parent watch started; torch takes seconds to import)
 
     header = stream.read(HEADER.size)
     if len(header) < HEADER.size:
@@ -43,9 +43,9 @@ def read_command(stream):
 
 def serve(runner, stream) -> None:
     """Runs rank 0's commands until shutdown or end of input."""
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (process: after the parent watch started; torch takes seconds to import)
 
-    from backend.runner.model_runner import select_rows  # noqa: PLC0415
+    from backend.runner.model_runner import select_rows  # noqa: PLC0415 (process: after the parent watch started; torch takes seconds to import)
 
     model, hidden = runner.model, None
     with torch.inference_mode():
@@ -80,10 +80,10 @@ def main(argv: list[str]) -> int:
                         format=f"tp-rank{spec.rank}[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
     watch_parent(spec.parent_pid)
     status = os.fdopen(spec.status_fd, "w", buffering=1)
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (process: after the parent watch started; torch takes seconds to import)
 
-    from backend.parallel import group  # noqa: PLC0415
-    from backend.runner.model_runner import ModelRunner, resolve_device  # noqa: PLC0415
+    from backend.parallel import group  # noqa: PLC0415 (process: after the parent watch started; torch takes seconds to import)
+    from backend.runner.model_runner import ModelRunner, resolve_device  # noqa: PLC0415 (process: after the parent watch started; torch takes seconds to import)
 
     device = group.rank_device(resolve_device(spec.model_config.device), spec.rank)
     if device.type == "cpu":
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
         status.write(f"failed: {type(exc).__name__}: {exc}".replace("\n", " ") + "\n")
         return 1
     if spec.lora_config is not None and spec.lora_config.enable_lora:
-        from backend.lora.manager import LoRAManager  # noqa: PLC0415
+        from backend.lora.manager import LoRAManager  # noqa: PLC0415 (process: after the parent watch started; torch takes seconds to import)
 
         runner.attach_lora(LoRAManager(spec.lora_config, runner.model.full_shape, runner.dtype, runner.device,
                                        live=set, shard=shard, local_shape=runner.shape))

@@ -31,6 +31,7 @@ from backend.runner.model_runner import ModelRunner
 from backend.runner.row_argmax import row_argmax
 from backend.runner.sampler import Sampler
 from backend.runner.scheduled import ScheduledRequest
+from backend.sequence_view import TokenCounts
 from backend.spec_decode.proposal import SpeculatingRequest
 from backend.spec_decode.verification import race
 
@@ -40,7 +41,7 @@ DRAFT_SEED_OFFSET = 0x5DEECE66D  # a seeded request's draft generator: seed + th
 
 
 @dataclasses.dataclass(slots=True, eq=False)
-class ShadowSequence:
+class ShadowSequence(TokenCounts):
     """A target request as the draft's runner and KV manager see it: the same token list, the
     draft's own progress and block record (backend/runner/scheduled.py, backend/kv_cache/request_view.py)."""
 
@@ -52,16 +53,8 @@ class ShadowSequence:
     eos_token_id: int | None = None
     generator: torch.Generator | None = None
     kv: RequestBlocks = dataclasses.field(default_factory=RequestBlocks)
-    num_prompt_tokens: int = 0  # the whole list is "output": nothing is the draft's prompt
+    prompt_token_ids: tuple[int, ...] = ()  # the whole list is "output": nothing is the draft's prompt
     is_finished: bool = False  # its blocks are freed without a transfer, whatever the target did
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 @dataclasses.dataclass(slots=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from backend.protocol.sampling import SamplingParams
+from backend.runner.scheduled import RunnerRequest
 
 if TYPE_CHECKING:  # annotations only: the engine's request module stays importable without torch
     import torch
@@ -25,26 +25,12 @@ class Proposal:
         self.draft_probs = None
 
 
-class SpeculatingRequest(Protocol):
+class SpeculatingRequest(RunnerRequest, Protocol):
     """What speculation reads of a request (the engine's Request); it writes only ``spec``."""
 
-    request_id: str
-    all_token_ids: list[int]  # prompt + output
     num_computed_tokens: int
-    sampling_params: SamplingParams
-    generator: torch.Generator | None  # a seeded request's (the sampler's): verification draws from it
-    eos_token_id: int | None
     grammar: object | None  # a constrained request never speculates
     spec: Proposal
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-    @property
-    def num_output_tokens(self) -> int: ...
 
     @property
     def is_running(self) -> bool: ...

@@ -28,6 +28,7 @@ from backend.runner.row_argmax import row_argmax
 from backend.runner.sampler import Sampler
 from backend.runner.scheduled import ScheduledRequest
 from backend.spec_decode.controller import SpeculationController, StepTimeModel
+from backend.spec_decode.draft_model import DraftModelProposer
 from backend.spec_decode.ngram import NgramProposer
 from backend.spec_decode.proposal import SpeculatingRequest
 from backend.spec_decode.verification import rejection_sample, verify_greedy, verify_seeded
@@ -96,8 +97,6 @@ class Speculator:
         self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if self.method == "ngram" else None
         self.draft = None
         if self.method == "draft":
-            from backend.spec_decode.draft_model import DraftModelProposer  # noqa: PLC0415
-
             self.draft = DraftModelProposer(config, runner)
         step_time = proposal_time = None
         if spec.speculative_controller == "auto":

@@ -18,6 +18,8 @@ import re
 import shutil
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+
 from backend.models.model_folder import read_build_info, write_model_folder
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -26,8 +28,6 @@ BUILDER_VERSION = 1
 
 def build(model: Path, layers: int, out: Path, force: bool = False) -> Path:
     """Writes ``out`` (config.json, model.safetensors, the tokenizer files); a no-op when built alike."""
-    from safetensors.torch import load_file, save_file  # noqa: PLC0415
-
     config = json.loads((model / "config.json").read_text())
     if not 1 <= layers < config["num_hidden_layers"]:
         raise SystemExit(f"--layers must be in [1, {config['num_hidden_layers'] - 1}], got {layers}")

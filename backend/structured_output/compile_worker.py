@@ -21,12 +21,14 @@ its parent does (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
 import signal
 import threading
 import time
+from multiprocessing import resource_tracker
 
 from backend.paths import python_executable
 from backend.proc_stat import read_proc_stat
@@ -217,7 +219,7 @@ def end_fork_server() -> None:
     core's exit, which must leave no process behind. Closing its pipe alone is not enough: one still
     importing its preload at its low priority notices the pipe's end only when the CPU lets it,
     seconds later on a busy machine."""
-    from multiprocessing import forkserver  # noqa: PLC0415
+    from multiprocessing import forkserver  # noqa: PLC0415 (process: the module is in sys.modules only where a fork server started, core_process's test)
 
     _fork_server_ended.set()
     server = forkserver._forkserver
@@ -238,8 +240,6 @@ def end_resource_tracker(timeout: float = 5.0) -> None:
     """Stops and reaps multiprocessing's resource tracker, which the fork server's start started and
     which outlives every process holding its pipe; after ``end_fork_server``, and only in a process
     whose sole multiprocessing children were the fork server's. Waits ``timeout`` seconds at most."""
-    from multiprocessing import resource_tracker  # noqa: PLC0415
-
     stopper = threading.Thread(target=resource_tracker._resource_tracker._stop, name="resource-tracker-stop",
                                daemon=True)
     stopper.start()
@@ -259,8 +259,8 @@ def serve(connection, engine_pid: int) -> None:
     """The worker's body (run in the worker process): tokenizer info in, then compiles until EOF."""
     _die_with_parent(engine_pid)
     lower_priority()
-    import torch  # noqa: PLC0415  (xgrammar imports it; one thread, as xgrammar's compiler)
-    import xgrammar  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (process: in the worker, at its low priority; xgrammar imports it: one thread)
+    import xgrammar  # noqa: PLC0415 (optional: xgrammar, in the worker only)
 
     torch.set_num_threads(1)
     try:
@@ -295,8 +295,6 @@ def _die_with_parent(engine_pid: int) -> None:
     """SIGKILL when the parent (the fork server) exits, which it does when the engine does; and
     exit now if the engine is already gone."""
     try:
-        import ctypes  # noqa: PLC0415
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the connection's EOF ends the worker

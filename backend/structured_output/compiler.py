@@ -60,7 +60,7 @@ class GrammarCompiler:
         engine start, and a model's recovery, should not wait for): the first compiles wait in its
         queue. A worker that cannot start is logged, and the constraints sent meanwhile fail with
         that said; every other request is served as usual."""
-        import xgrammar  # noqa: PLC0415
+        import xgrammar  # noqa: PLC0415 (optional: xgrammar)
 
         started = time.perf_counter()
         self.tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(
@@ -150,7 +150,7 @@ class _Runner:
     what the worker compiled. It holds nothing of its GrammarCompiler, so that one can be collected."""
 
     def __init__(self, tokenizer_info, timeout_seconds: float):
-        import xgrammar  # noqa: PLC0415
+        import xgrammar  # noqa: PLC0415 (optional: xgrammar)
 
         self._xgrammar = xgrammar
         self._tokenizer_info = tokenizer_info

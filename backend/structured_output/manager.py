@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.attention.cpu_kernel.build import KernelUnavailable, load_kernel
 from backend.config import StructuredOutputConfig
 from backend.protocol.structured_output import StructuredOutputError, StructuredOutputSpec
 from backend.structured_output.budget import check_budget
@@ -55,7 +56,7 @@ class RequestGrammar:
 class StructuredOutputManager:
     def __init__(self, compiler: GrammarCompiler, vocab_size: int, max_rows: int,
                  config: StructuredOutputConfig | None = None):
-        import xgrammar  # noqa: PLC0415
+        import xgrammar  # noqa: PLC0415 (optional: xgrammar)
 
         self._xgrammar = xgrammar
         self.compiler = compiler
@@ -179,8 +180,6 @@ def _bitmask_kernel():
     """Our CPU mask kernel (backend/attention/cpu_kernel/token_bitmask.cpp), 6x xgrammar's here; None:
     xgrammar's serves (the reason is logged)."""
     try:
-        from backend.attention.cpu_kernel.build import KernelUnavailable, load_kernel  # noqa: PLC0415
-
         return load_kernel()
     except KernelUnavailable as exc:
         logger.warning("structured output masks use xgrammar's CPU kernel: %s", exc)

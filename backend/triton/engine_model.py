@@ -18,8 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from backend.config import ConfigError, EngineConfig
 from backend.engine.input_processor import InputProcessor
-from backend.engine_core.engine_client import EngineClient, make_engine_client
+from backend.engine.tokenizer import load_tokenizer
+from backend.engine_core.engine_client import EngineClient
+from backend.engine_core.make_client import make_engine_client
+from backend.engine_core.process_handle import CoreStartError
 from backend.engine_core.stub_watch import recorded_recoveries
+from backend.lora.registry import LoRAConfigError, read_registry
 from backend.triton.client_priority import parse_client_priority_range
 from backend.triton.helpers import (
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
@@ -34,6 +38,7 @@ from backend.triton.helpers import (
     triton_readiness_url,
 )
 from backend.triton.load_metrics import LoadMetrics
+from backend.triton.metrics import TritonMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +47,6 @@ def start_engine(engine: EngineClient, model_name: str, config: EngineConfig) ->
     """Starts the engine and returns the front end's InputProcessor for it (the tokenizer loads
     meanwhile: a model's load, and its recovery after a dead stub, wait for the slower of the two).
     An engine that does not come up fails the model's load with a ConfigError naming why."""
-    from backend.engine.tokenizer import load_tokenizer  # noqa: PLC0415
-    from backend.engine_core.process_handle import CoreStartError  # noqa: PLC0415
-
     with ThreadPoolExecutor(1, thread_name_prefix="llm-tokenizer-load") as pool:
         tokenizer = pool.submit(load_tokenizer, config.model.tokenizer_dir)
         try:
@@ -60,7 +62,6 @@ def lora_registry(config: EngineConfig):
     multi_lora.json fails the model's load naming it."""
     if not config.lora.enable_lora:
         return None
-    from backend.lora.registry import LoRAConfigError, read_registry  # noqa: PLC0415
 
     try:
         return read_registry(config.lora.lora_adapters)
@@ -76,9 +77,7 @@ class EngineModel(abc.ABC):
 
     def initialize(self, args: dict) -> None:
         set_utf8_locale()
-        import triton_python_backend_utils as pb_utils  # noqa: PLC0415 (only inside the stub)
-
-        from backend.triton.metrics import TritonMetrics  # noqa: PLC0415
+        import triton_python_backend_utils as pb_utils  # noqa: PLC0415 (process: exists only inside Triton's stub)
 
         self.pb = pb_utils
         self.model_name, self.config, parameters = load_llm_config(

@@ -20,6 +20,9 @@ from backend.config import (
     parse_engine_config,
     parse_parameter_value,
 )
+from backend.engine_core.process_handle import DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+from backend.engine_core.stub_watch import StubWatch
+from backend.triton import drain
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +149,6 @@ def bool_parameter(parameters: dict[str, str], name: str, default: bool) -> bool
 
 def engine_process_options(parameters: dict[str, str]) -> tuple[bool, float]:
     """(run the engine core in its own process, seconds of silence after which it counts as hung)."""
-    from backend.engine_core.process_handle import DEFAULT_HEARTBEAT_TIMEOUT_SECONDS  # noqa: PLC0415
-
     use_process = bool_parameter(parameters, "engine_process", True)
     timeout = seconds_parameter(parameters, "engine_heartbeat_timeout_seconds", DEFAULT_HEARTBEAT_TIMEOUT_SECONDS)
     if timeout < 1.0:
@@ -166,8 +167,6 @@ def stub_watch(parameters: dict[str, str], ready_url: str | None, model_name: st
     ``--model-control-mode=explicit`` (without it: ``stop_server``, with a warning); ``stop_server``
     stops tritonserver for its supervisor to restart; ``ignore`` leaves it (its streams then hang).
     None without an HTTP readiness URL: the core could not tell a killed stub from an unload."""
-    from backend.engine_core.stub_watch import StubWatch  # noqa: PLC0415
-
     action = parameters.get("on_stub_death", "reload").strip().lower() or "reload"
     if action not in STUB_DEATH_ACTIONS:
         raise ConfigError(f"parameter 'on_stub_death': one of {', '.join(STUB_DEATH_ACTIONS)}, "
@@ -177,7 +176,6 @@ def stub_watch(parameters: dict[str, str], ready_url: str | None, model_name: st
     if ready_url is None:
         logger.warning("on_stub_death: no Triton HTTP endpoint to tell a killed stub from an unload: not watched")
         return None
-    from backend.triton import drain  # noqa: PLC0415
 
     argv = drain.parent_command_line()
     kill_after = drain.exit_timeout_from_command_line(argv) + 5.0
@@ -195,8 +193,6 @@ def triton_readiness_url(parameters: dict[str, str], model_name: str, version: s
     """Triton's HTTP readiness URL of this model version (backend/triton/drain.py): from the parameter
     ``triton_http_url``, else from tritonserver's command line; None when there is none (``none``,
     HTTP off, or a parent that is not tritonserver)."""
-    from backend.triton import drain  # noqa: PLC0415
-
     url = parameters.get("triton_http_url", "").strip() or drain.http_url_from_command_line(
         drain.parent_command_line())
     if not url or url == "none":
@@ -207,8 +203,6 @@ def triton_readiness_url(parameters: dict[str, str], model_name: str, version: s
 def start_unload_watcher(ready_url: str | None, begin_drain: Callable[[], None]):
     """Calls ``begin_drain()`` once Triton reports the model unready (server stop or unload), from a
     daemon thread (backend/triton/drain.py); None when Triton's HTTP endpoint is unknown."""
-    from backend.triton import drain  # noqa: PLC0415
-
     if ready_url is None:
         logger.warning("no Triton HTTP endpoint to watch: requests in flight at shutdown are not drained")
         return None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from backend.protocol.outputs import RequestOutput
+from backend.triton.metrics import record_finish, record_tokens
 from backend.triton.return_outputs import delta_response, delta_text, finish_reason_text, logprob_entries
 from backend.triton.stream_interval import streams_now
 
@@ -39,8 +40,6 @@ class SampleState:
 
 def collect_sample(state, output: RequestOutput, now: float, metrics) -> None:
     """ResponseState.collect for n > 1 (``state`` is the ResponseState)."""
-    from backend.triton.metrics import record_finish, record_tokens  # noqa: PLC0415
-
     sample = state.samples[output.sequence_index]
     if output.new_token_ids and not state.cancelled:
         if state.first_token_time is None:

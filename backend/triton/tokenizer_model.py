@@ -135,7 +135,7 @@ class TritonPythonModel:
 
     def initialize(self, args: dict) -> None:
         set_utf8_locale()
-        import triton_python_backend_utils as pb_utils  # noqa: PLC0415 (only inside the stub)
+        import triton_python_backend_utils as pb_utils  # noqa: PLC0415 (process: exists only inside Triton's stub)
 
         self.pb = pb_utils
         model_config = json.loads(args["model_config"])

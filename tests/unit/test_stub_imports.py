@@ -40,6 +40,7 @@ STUB_MODULES = (
     "backend.triton.drain",
     "backend.triton.periodic",
     "backend.engine_core.engine_client",
+    "backend.engine_core.make_client",
     "backend.engine_core.admission",
     "backend.engine_core.process_client",
     "backend.engine_core.step_on_demand",

@@ -32,6 +32,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch  # noqa: F401 (torch's libgomp loads before the kernels' library, which shares it)
+
 from backend.paths import REPO_ROOT
 
 logger = logging.getLogger(__name__)
@@ -107,8 +109,6 @@ class CpuKernels:
     and the shape limits paged_decode was compiled with."""
 
     def __init__(self, path: Path):
-        import torch  # noqa: F401, PLC0415 (torch's libgomp first: the kernels share it)
-
         try:
             self.library = ctypes.CDLL(str(path))
         except OSError as exc:
