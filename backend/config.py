@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import get_type_hints
 
 
 class ConfigError(ValueError):
@@ -179,64 +180,37 @@ _CHOICES = {
     "kv_role": ("both", "prefill", "decode"),
 }
 
-# name -> (section, kind, minimum)
-_PARAMETERS: dict[str, tuple[str, str, int | None]] = {
-    "model_dir": ("model", "path", None),
-    "tokenizer_dir": ("model", "path", None),
-    "dtype": ("model", "choice", None),
-    "device": ("model", "choice", None),
-    "attention_backend": ("model", "choice", None),
-    "cpu_fused_ops": ("model", "bool", None),
-    "cpu_adaptive_threads": ("model", "bool", None),
-    "max_model_len": ("model", "int", 1),
-    "seed": ("model", "int", 0),
-    "max_prompt_bytes": ("model", "int", 0),
-    "tensor_parallel_size": ("model", "int", 1),
-    "block_size": ("cache", "int", 1),
-    "num_kv_blocks": ("cache", "int", 0),
-    "kv_cache_memory_mb": ("cache", "int", 0),
-    "enable_prefix_caching": ("cache", "bool", None),
-    "kv_offload_tier": ("cache", "choice", None),
-    "kv_offload_bytes": ("cache", "int", 0),
-    "kv_offload_dir": ("cache", "path", None),
-    "kv_offload_load_policy": ("cache", "choice", None),
-    "kv_offload_queue_blocks": ("cache", "int", 1),
-    "max_num_seqs": ("scheduler", "int", 1),
-    "max_num_batched_tokens": ("scheduler", "int", 1),
-    "enable_chunked_prefill": ("scheduler", "bool", None),
-    "scheduling_policy": ("scheduler", "choice", None),
-    "max_queue_len": ("scheduler", "int", 0),
-    "max_requests_per_client": ("scheduler", "int", 0),
-    "default_max_tokens": ("scheduler", "int", 1),
-    "speculative_method": ("speculative", "choice", None),
-    "num_speculative_tokens": ("speculative", "int", 1),
-    "prompt_lookup_min": ("speculative", "int", 1),
-    "prompt_lookup_max": ("speculative", "int", 1),
-    "speculative_model_dir": ("speculative", "path", None),
-    "speculative_num_kv_blocks": ("speculative", "int", 0),
-    "speculative_controller": ("speculative", "choice", None),
-    "structured_output_max_schema_bytes": ("structured_output", "int", 1),
-    "structured_output_max_depth": ("structured_output", "int", 1),
-    "structured_output_max_properties": ("structured_output", "int", 1),
-    "structured_output_max_patterns": ("structured_output", "int", 0),
-    "structured_output_max_pattern_length": ("structured_output", "int", 1),
-    "structured_output_compile_timeout_seconds": ("structured_output", "int", 1),
-    "structured_output_max_compiles_per_client": ("structured_output", "int", 0),
-    "kv_events_endpoint": ("kv_events", "endpoint", None),
-    "kv_events_topic": ("kv_events", "text", None),
-    "kv_events_replay_endpoint": ("kv_events", "endpoint", None),
-    "kv_events_buffer_steps": ("kv_events", "int", 1),
-    "kv_role": ("kv_transfer", "choice", None),
-    "kv_transfer_endpoint": ("kv_transfer", "endpoint", None),
-    "kv_transfer_peers": ("kv_transfer", "text", None),
-    "kv_transfer_timeout_seconds": ("kv_transfer", "int", 1),
-    "kv_transfer_pull_timeout_seconds": ("kv_transfer", "int", 1),
-    "enable_lora": ("lora", "bool", None),
-    "max_loras": ("lora", "int", 1),
-    "max_lora_rank": ("lora", "int", 1),
-    "max_cpu_loras": ("lora", "int", 1),
-    "lora_adapters": ("lora", "path", None),
+# The kind of each str parameter that is neither a choice (_CHOICES) nor free text.
+_STRING_KINDS = {
+    **dict.fromkeys(("model_dir", "tokenizer_dir", "kv_offload_dir", "speculative_model_dir", "lora_adapters"), "path"),
+    **dict.fromkeys(("kv_events_endpoint", "kv_events_replay_endpoint", "kv_transfer_endpoint"), "endpoint"),
 }
+# The int parameters that may be 0 (automatic, no cap, the first seed); every other one is at least 1.
+_ZERO_ALLOWED = frozenset({
+    "seed", "max_prompt_bytes", "num_kv_blocks", "kv_cache_memory_mb", "kv_offload_bytes", "max_queue_len",
+    "max_requests_per_client", "speculative_num_kv_blocks", "structured_output_max_patterns",
+    "structured_output_max_compiles_per_client",
+})
+# EngineConfig's field name -> the dataclass of that section.
+_SECTIONS: dict[str, type] = get_type_hints(EngineConfig)
+
+
+def _parameter_table() -> dict[str, tuple[str, str, int | None]]:
+    """name -> (section, kind, minimum) of every parameter. Each field of a section is one, so a
+    new field is a new parameter; its type gives the kind (for a str: choice, path, endpoint or text)."""
+    table = {}
+    for section, section_class in _SECTIONS.items():
+        for name, annotation in get_type_hints(section_class).items():
+            if annotation is int:
+                table[name] = (section, "int", 0 if name in _ZERO_ALLOWED else 1)
+            elif annotation is bool:
+                table[name] = (section, "bool", None)
+            else:
+                table[name] = (section, "choice" if name in _CHOICES else _STRING_KINDS.get(name, "text"), None)
+    return table
+
+
+_PARAMETERS = _parameter_table()
 
 # tcp://HOST:PORT with a name, an IPv4 address, [an IPv6 address] or * (every interface).
 _ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})")
@@ -295,8 +269,7 @@ def parse_engine_config(
     Relative paths resolve against ``base_dir`` (the model's folder). Names in ``extra_names`` are
     accepted and ignored (they belong to the caller). Raises ConfigError naming the parameter.
     """
-    sections: dict[str, dict] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}, "structured_output": {},
-                                 "kv_events": {}, "kv_transfer": {}, "lora": {}}
+    sections: dict[str, dict] = {section: {} for section in _SECTIONS}
     for name, raw in parameters.items():
         if name in extra_names:
             continue
@@ -312,16 +285,7 @@ def parse_engine_config(
     if not lora.get("lora_adapters") and base_dir is not None:  # vllm_backend's place for it
         lora["lora_adapters"] = os.path.join(base_dir, "1", "multi_lora.json")
     model.setdefault("tokenizer_dir", model["model_dir"])
-    config = EngineConfig(
-        model=ModelConfig(**model),
-        cache=CacheConfig(**sections["cache"]),
-        scheduler=SchedulerConfig(**sections["scheduler"]),
-        speculative=SpeculativeConfig(**sections["speculative"]),
-        structured_output=StructuredOutputConfig(**sections["structured_output"]),
-        kv_events=KVEventsConfig(**sections["kv_events"]),
-        kv_transfer=KVTransferConfig(**sections["kv_transfer"]),
-        lora=LoRAConfig(**lora),
-    )
+    config = EngineConfig(**{section: _SECTIONS[section](**values) for section, values in sections.items()})
     validate_engine_config(config)
     return config
 

@@ -22,16 +22,16 @@ class TokenCounts:
     all_token_ids: list[int]
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class SequenceView(Protocol):

@@ -101,22 +101,14 @@ def build_output(request: Request, new_token_ids: list[int], text: str) -> Reque
     if request.sampling_params.prompt_logprobs is not None and not request.logprobs.prompt_sent and new_token_ids:
         prompt_logprobs, request.logprobs.prompt_sent = request.logprobs.prompt, True
     group = request.fanout.group
-    return RequestOutput(
+    return RequestOutput(  # by meaning: whose, what, how many, logprobs, when
         request_id=request.request_id if group is None else group.request_id,
         sequence_index=request.fanout.sequence_index,
-        new_token_ids=new_token_ids,
-        text=text,
-        finished=False,
-        finish_reason=None,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=request.num_output_tokens,
+        new_token_ids=new_token_ids, text=text, finished=False, finish_reason=None,
+        num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,
-        logprobs=logprobs,
-        logprob_ranks=ranks,
-        top_logprobs=top,
-        prompt_logprobs=prompt_logprobs,
-        arrival_time=request.arrival_time,
-        first_scheduled_time=request.first_scheduled_time,
+        logprobs=logprobs, logprob_ranks=ranks, top_logprobs=top, prompt_logprobs=prompt_logprobs,
+        arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
     )
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from operator import attrgetter
 
 import torch
 
@@ -77,15 +78,13 @@ class KVCacheManager:
         self.num_copy_on_write = 0  # blocks copied so far
         self.share_forks = True  # False: a fork copies every block (a measuring baseline only)
 
-    # ----- counters -----------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        """All blocks, the null block included."""
-        return self.block_pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
+    # ----- counters: the pool's, read through the manager -----------------------------------------
+    num_blocks = property(attrgetter("block_pool.num_blocks"), doc="All blocks, the null block included.")
+    num_free_blocks = property(attrgetter("block_pool.num_free_blocks"))
+    usage = property(attrgetter("block_pool.usage"), doc="The share of usable blocks some request references.")
+    prefix_queries = property(attrgetter("block_pool.prefix_queries"),
+                              doc="Tokens looked up in the prefix cache so far (cumulative).")
+    prefix_hits = property(attrgetter("block_pool.prefix_hits"), doc="Tokens found in the prefix cache so far (cumulative).")
 
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
         """The most blocks a request of ``num_tokens`` tokens (prompt + output) holds at once when
@@ -97,19 +96,6 @@ class KVCacheManager:
         chunk = min(num_tokens, max_chunk)
         return min(every_block, (self.sliding_window + chunk - 2) // self.block_size + 2)
 
-    @property
-    def usage(self) -> float:
-        return self.block_pool.usage
-
-    @property
-    def prefix_queries(self) -> int:
-        """Tokens looked up in the prefix cache so far (cumulative)."""
-        return self.block_pool.prefix_queries
-
-    @property
-    def prefix_hits(self) -> int:
-        """Tokens found in the prefix cache so far (cumulative)."""
-        return self.block_pool.prefix_hits
 
     # ----- hashing ------------------------------------------------------------------------------
     def block_hashes(self, request: CachedSequence, num_full_blocks: int) -> list[BlockHash]:

@@ -20,6 +20,8 @@ import json
 import re
 from dataclasses import dataclass
 
+import jsonschema
+
 KINDS = ("json", "regex", "choice", "grammar")
 # The keys of vLLM's StructuredOutputsParams we take; the kinds, then options.
 STRUCTURED_OUTPUTS_KEYS = (*KINDS, "json_object", "disable_any_whitespace", "disable_fallback")
@@ -135,7 +137,7 @@ def xgrammar_message(exc: BaseException) -> str:
 
 def to_grammar(spec: StructuredOutputSpec):
     """The spec as an ``xgrammar.Grammar`` (tokenizer-free; raises xgrammar's errors)."""
-    import xgrammar  # noqa: PLC0415
+    import xgrammar  # noqa: PLC0415 (process: xgrammar imports torch, and Triton's stub imports this module)
 
     if spec.kind == "json":
         return xgrammar.Grammar.from_json_schema(spec.value, any_whitespace=spec.any_whitespace)
@@ -164,8 +166,6 @@ def check_spec(spec: StructuredOutputSpec) -> None:
 
 
 def _check_meta_schema(spec: StructuredOutputSpec) -> None:
-    import jsonschema  # noqa: PLC0415
-
     schema = json.loads(spec.value)
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)

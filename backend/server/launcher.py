@@ -35,11 +35,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.paths import REPO_ROOT
-from backend.proc_stat import all_pids, read_proc_stat
+from backend.server.openai_process import OpenAIFront
+from backend.server.process_group import stop_process_group
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
@@ -67,7 +69,7 @@ def find_tritonserver() -> TritonInstallation:
     if on_path:
         return TritonInstallation(Path(on_path), None)
     try:
-        import pytriton  # noqa: PLC0415  (optional: only machines without the NGC image need it)
+        import pytriton  # noqa: PLC0415 (optional: nvidia-pytriton, only where no NGC image gives tritonserver)
     except ImportError:
         raise LauncherError(
             "tritonserver not found: not on PATH and the nvidia-pytriton wheel is not installed "
@@ -118,42 +120,6 @@ def server_environment(installation: TritonInstallation, base: dict[str, str] | 
     return env
 
 
-def stop_process_group(process: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM to ``process``, then SIGKILL to its whole process group after ``timeout`` seconds.
-
-    ``process`` must lead its own group (``start_new_session=True``). Children share the group
-    (tritonserver's stubs, vLLM's engine core) and are killed even after a clean exit of the
-    leader; returns once none of them is alive (or 10 s after the kill).
-    """
-    pgid = process.pid
-    with contextlib.suppress(ProcessLookupError):
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=10)
-    deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to go
-    while live_processes_in_group(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def live_processes_in_group(pgid: int) -> list[int]:
-    """pids of process group ``pgid`` that are not zombies (Linux /proc; [] elsewhere).
-
-    Zombies are left out: an orphaned stub is reparented to a PID 1 that may never reap it.
-    """
-    alive = []
-    for pid in all_pids():
-        stat = read_proc_stat(pid)
-        if stat is not None and stat.pgrp == pgid and not stat.zombie:
-            alive.append(pid)
-    return alive
-
-
 # Ports handed out are below Linux's ephemeral range (32768-60999), where the kernel never picks the
 # local port of an outgoing connection: a port the OS offered as free (bind to 0) could be taken by
 # some client's connection before the server meant for it binds it (measured: a replica's metrics
@@ -178,6 +144,11 @@ def free_port() -> int:
         _handed_out.add(port)
         return port
     raise RuntimeError(f"no free TCP port in {FREE_PORT_RANGE[0]}-{FREE_PORT_RANGE[1]}")
+
+
+def bind_host() -> str:
+    """The address servers listen on: loopback, or every interface where TRITON_BIND_ALL is set."""
+    return "127.0.0.1" if os.environ.get("TRITON_BIND_ALL") is None else "0.0.0.0"
 
 
 def answers_200(url: str) -> bool:
@@ -284,8 +255,8 @@ def start_server(
         f"--http-port={http_port}",
         f"--grpc-port={grpc_port}",
         f"--metrics-port={metrics_port}",
-        "--http-address=127.0.0.1" if os.environ.get("TRITON_BIND_ALL") is None else "--http-address=0.0.0.0",
-        "--grpc-address=127.0.0.1" if os.environ.get("TRITON_BIND_ALL") is None else "--grpc-address=0.0.0.0",
+        f"--http-address={bind_host()}",
+        f"--grpc-address={bind_host()}",
         "--allow-metrics=true",
     ]
     if backend_dir is not None:
@@ -328,6 +299,20 @@ def start_server(
     return server
 
 
+def stop_on_signals() -> Callable[[], bool]:
+    """Makes SIGTERM and SIGINT only note that a stop was asked (a foreground command's loop then
+    stops its processes cleanly); returns whether one came."""
+    stopping = False
+
+    def request_stop(signum, _frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    return lambda: stopping
+
+
 def main(argv: list[str] | None = None) -> int:
     """Foreground server for `make serve`: Ctrl-C or SIGTERM stops it and every stub it started.
 
@@ -354,24 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="port of the OpenAI-compatible API (openai_front; default 9000, env OPENAI_PORT)")
     parser.add_argument("--no-openai", action="store_true", help="serve Triton's endpoints only")
     args = parser.parse_args(argv)
-
-    stopping = False
-
-    def request_stop(signum, _frame):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    stopping = stop_on_signals()
     front = None
     if not args.no_openai:
-        from backend.server.openai_process import OpenAIFront  # noqa: PLC0415
-
-        host = "127.0.0.1" if os.environ.get("TRITON_BIND_ALL") is None else "0.0.0.0"  # as tritonserver's
-        front = OpenAIFront(args.grpc_port, args.openai_port, host=host, max_restarts=args.max_restarts)
+        front = OpenAIFront(args.grpc_port, args.openai_port, host=bind_host(), max_restarts=args.max_restarts)
         front.start()
     try:
-        return _serve(args, extra, lambda: stopping, front)
+        return _serve(args, extra, stopping, front)
     finally:
         if front is not None:
             front.stop()

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from backend.server.process_group import stop_process_group
+
 RESTART_DELAY_SECONDS = 1.0
 
 
@@ -48,7 +50,5 @@ class OpenAIFront:
         self.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        from backend.server.launcher import stop_process_group  # noqa: PLC0415
-
         if self.process is not None:
             stop_process_group(self.process, timeout)

@@ -38,7 +38,14 @@ from pathlib import Path
 
 from backend.config import parameters_from_pbtxt
 from backend.proc_stat import all_pids, read_proc_stat
-from backend.server.launcher import DEFAULT_MODEL_REPOSITORY, answers_200, free_port, stop_process_group
+from backend.server.launcher import (
+    DEFAULT_MODEL_REPOSITORY,
+    answers_200,
+    bind_host,
+    free_port,
+    stop_on_signals,
+)
+from backend.server.process_group import stop_process_group
 from backend.server.repository_copy import copy_repository
 
 POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "power_of_two", "random",
@@ -79,17 +86,10 @@ class ReplicaPorts:
         """The front, as the router addresses it."""
         return f"http://127.0.0.1:{self.openai}"
 
-    @property
-    def events_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.events}"
 
-    @property
-    def replay_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.replay}"
-
-    @property
-    def transfer_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.transfer}"
+def tcp_endpoint(port: int) -> str:
+    """A ZMQ endpoint on loopback: where a replica's `llm` publishes its events or serves its blocks."""
+    return f"tcp://127.0.0.1:{port}"
 
 
 # A prefill replica has no decoding streams to keep smooth: larger steps prefill faster (fewer of
@@ -103,7 +103,7 @@ def role_parameters(role: str, ports: ReplicaPorts, prefill_ports: list[ReplicaP
     """`llm`'s disaggregation parameters for a replica of ``role``: a prefill replica serves its
     blocks on its transfer port; a decode replica may pull from every prefill replica's, and only those."""
     if role == "prefill":
-        return {"kv_role": "prefill", "kv_transfer_endpoint": ports.transfer_endpoint}
+        return {"kv_role": "prefill", "kv_transfer_endpoint": tcp_endpoint(ports.transfer)}
     if role == "decode":
         return {"kv_role": "decode", "kv_transfer_peers": ",".join(f"127.0.0.1:{p.transfer}" for p in prefill_ports)}
     return {}
@@ -113,7 +113,7 @@ def write_replica_repository(source: Path, destination: Path, ports: ReplicaPort
                              overrides: dict[str, str] | None = None) -> Path:
     """``destination`` with the replica's models, `llm` publishing KV events on the replica's ports
     (and its parameters in ``overrides`` changed)."""
-    events = {"kv_events_endpoint": ports.events_endpoint, "kv_events_replay_endpoint": ports.replay_endpoint}
+    events = {"kv_events_endpoint": tcp_endpoint(ports.events), "kv_events_replay_endpoint": tcp_endpoint(ports.replay)}
     return copy_repository(source, destination, {**(overrides or {}), **events}, REPLICA_MODELS)
 
 
@@ -158,8 +158,8 @@ def router_command(replicas: list[ReplicaPorts], policy: str, port: int, prometh
     if policy == "kv_aware":
         command += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
         for ports in replicas:
-            command += ["--kv-event-source", f"{ports.url}={ports.events_endpoint}",
-                        "--kv-event-replay-source", f"{ports.url}={ports.replay_endpoint}"]
+            command += ["--kv-event-source", f"{ports.url}={tcp_endpoint(ports.events)}",
+                        "--kv-event-replay-source", f"{ports.url}={tcp_endpoint(ports.replay)}"]
         if session_affinity_ttl is not None:
             command += ["--kv-aware-session-affinity-ttl-secs", str(session_affinity_ttl)]
         temperature = DEFAULT_ROUTER_TEMPERATURE if router_temperature is None else router_temperature
@@ -354,18 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="kv_aware: sample a replica from softmax(-cost / T), 0: always the cheapest "
                              f"(default {DEFAULT_ROUTER_TEMPERATURE:g})")
     args = parser.parse_args(argv)
-    host = "127.0.0.1" if os.environ.get("TRITON_BIND_ALL") is None else "0.0.0.0"
-    stopping = False
-
-    def request_stop(signum, _frame):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    stopping = stop_on_signals()
     disaggregated = bool(args.prefill or args.decode)
     policy = args.policy or ("round_robin" if disaggregated else "kv_aware")
-    replicas = Replicas(args.replicas, policy, args.port, args.model_repository, args.log_dir, host,
+    replicas = Replicas(args.replicas, policy, args.port, args.model_repository, args.log_dir, bind_host(),
                         session_affinity_ttl=args.session_affinity_ttl, pin_cpus=not args.no_pin_cpus,
                         num_prefill=args.prefill, num_decode=args.decode, router_temperature=args.router_temperature)
     try:
@@ -374,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm-router ({policy}) on {replicas.url}/v1 over " +
               ", ".join(f"{ports.url} ({role})" for ports, role in zip(replicas.ports, replicas.roles, strict=True)) +
               " (Ctrl-C stops all)", flush=True)
-        while not stopping:
+        while not stopping():
             time.sleep(0.5)
     finally:
         replicas.stop()

@@ -42,14 +42,13 @@ from backend.triton.admission import RequestAdmission
 from backend.triton.client_priority import DEFAULT_PRIORITY_RANGE, ClientPriorityRange
 from backend.triton.engine_model import EngineModel
 from backend.triton.periodic import PeriodicThread
+from backend.triton.responder import CANCEL_POLL_SECONDS  # the watcher looks for cancels as often as `llm`'s
 from backend.triton.response_state import ResponseState
 
 logger = logging.getLogger(__name__)
 
 # A sequence Triton stopped handing us (its client vanished without a cancel) is aborted after this.
 ABANDONED_SECONDS = 600.0
-# How often the watcher looks for cancelled sequences between iterations.
-CANCEL_POLL_SECONDS = 0.1
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from backend.triton.response_state import ResponseState
 
 logger = logging.getLogger(__name__)
 
-CANCEL_POLL_SECONDS = 0.1
+CANCEL_POLL_SECONDS = 0.1  # how often Triton is asked about cancellations (`llm_iterative`'s watcher too)
 # Each is_cancelled() is a round trip to tritonserver: a poll asks at most this many requests, the
 # ones asked longest ago first, so with many streams each is asked less often (every
 # ceil(active / MAX_CANCEL_CHECKS_PER_POLL) polls) instead of the checks eating the send path's CPU.

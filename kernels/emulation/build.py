@@ -114,22 +114,18 @@ def _precompiled_header(variant: str, flags: tuple[str, ...]) -> Path:
         if not (pch_dir / "cuda_emu.h.gch").exists():
             pch_dir.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(EMULATION_DIR / "cuda_emu.h", header)
-            tmp = pch_dir / f"cuda_emu.h.gch.{os.getpid()}"
-            cmd = [
-                CXX,
-                *flags,
-                f"-I{EMULATION_DIR / 'include'}",
-                "-x",
-                "c++-header",
-                str(header),
-                "-o",
-                str(tmp),
-            ]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=_compiler_env())
-            if proc.returncode != 0:
-                raise RuntimeError(f"g++ failed to precompile cuda_emu.h:\n{proc.stderr}")
-            os.replace(tmp, pch_dir / "cuda_emu.h.gch")
+            _compile([*flags, f"-I{EMULATION_DIR / 'include'}", "-x", "c++-header", str(header)],
+                     pch_dir / f"cuda_emu.h.gch.{os.getpid()}", pch_dir / "cuda_emu.h.gch", "to precompile cuda_emu.h")
     return header
+
+
+def _compile(arguments: list[str], tmp: Path, out: Path, what: str) -> None:
+    """g++ ``arguments`` into ``tmp``, then renamed to ``out`` (atomic: a concurrent build of the
+    same key is harmless); a failure raises with g++'s errors and ``what`` was built."""
+    proc = subprocess.run([CXX, *arguments, "-o", str(tmp)], capture_output=True, text=True, env=_compiler_env())
+    if proc.returncode != 0:
+        raise RuntimeError(f"g++ failed {what}:\n{proc.stderr}")
+    os.replace(tmp, out)
 
 
 def build_emulated(spec: ModuleSpec, variant: str = "plain", code: str | None = None) -> Path:
@@ -165,22 +161,8 @@ def build_emulated(spec: ModuleSpec, variant: str = "plain", code: str | None = 
         src.write_text(code)
         unit = Path(tmp) / "unit.cpp"
         unit.write_text(f'#include "{src}"\n{wrapper}')
-        tmp_lib = Path(tmp) / lib.name
-        cmd = [
-            CXX,
-            *flags,
-            "-include",
-            str(header),
-            f"-I{EMULATION_DIR / 'include'}",
-            f"-I{KERNEL_DIR}",
-            str(unit),
-            "-o",
-            str(tmp_lib),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_compiler_env())
-        if proc.returncode != 0:
-            raise RuntimeError(f"g++ failed for {spec.source} {' '.join(spec.options)}:\n{proc.stderr}")
-        os.replace(tmp_lib, lib)  # atomic: a concurrent build of the same key is harmless
+        _compile([*flags, "-include", str(header), f"-I{EMULATION_DIR / 'include'}", f"-I{KERNEL_DIR}", str(unit)],
+                 Path(tmp) / lib.name, lib, f"for {spec.source} {' '.join(spec.options)}")
     return lib
 
 

@@ -193,7 +193,8 @@ def test_kill_9_of_the_stub_with_stop_server_ends_every_stream_and_the_launcher_
     import subprocess
     import sys
 
-    from backend.server.launcher import free_port, stop_process_group
+    from backend.server.launcher import free_port
+    from backend.server.process_group import stop_process_group
     from tests.integration.conftest import write_model_repository
 
     model = "llm"

@@ -27,7 +27,8 @@ import httpx2 as httpx
 import pytest
 import tritonclient.http as httpclient
 
-from backend.server.launcher import free_port, stop_process_group
+from backend.server.launcher import free_port
+from backend.server.process_group import stop_process_group
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY, write_model_repository
 from tests.integration.test_engine_process import stub_pids, wait_for

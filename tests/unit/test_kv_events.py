@@ -189,7 +189,7 @@ def test_a_router_following_the_events_knows_exactly_what_the_engine_holds(demo_
                       if isinstance(e, BlockRemoved) and e.medium == "GPU")
         assert removed > 0  # the small pool evicted, and said so
         if tier == "host":
-            held = {external_hash(h) for h in llm.offloader.tier._blocks}
+            held = {external_hash(h) for h in llm.offloader.tier._entries}
             assert set(mirror.blocks["CPU"]) == held and held
         assert llm.stats().kv_events_published_batches >= len(batches)
     finally:

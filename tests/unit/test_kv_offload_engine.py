@@ -75,7 +75,7 @@ def test_tampered_tier_kv_changes_the_output(tmp_path, expected):
     llm = offloading("host", tmp_path)
     one_by_one(llm, PROMPTS[:5])  # the prefix is in the tier now
     llm.offloader.flush()
-    for stored in llm.offloader.tier._blocks.values():
+    for stored in llm.offloader.tier._entries.values():
         stored.kv = -stored.kv
     assert one_by_one(llm, PROMPTS[5:6]) != expected[5:6]
     assert llm.offloader.stats.restored_blocks == 12

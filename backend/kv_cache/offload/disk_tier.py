@@ -85,14 +85,13 @@ class DiskTier(KVTier):
     """Blocks as files under ``root/fingerprint``."""
 
     name = "disk"
+    _entries: OrderedDict[int, int]  # key (the block hash as 64 bits) -> file size
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, fingerprint: str) -> None:
         super().__init__(capacity_bytes)
         self.fingerprint = fingerprint
         self.folder = Path(root) / fingerprint[:16]
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._files: OrderedDict[int, int] = OrderedDict()  # block hash -> file size, LRU first
-        self._used = 0
         self.num_rejected = 0  # files that failed a check and were removed
         self._index()
 
@@ -111,40 +110,26 @@ class DiskTier(KVTier):
                 continue
             found.append((stat.st_mtime, key, stat.st_size))
         for _, key, size in sorted(found):
-            self._files[key] = size
+            self._entries[key] = size
             self._used += size
         self._make_room(0)
-        if self._files:
-            logger.info("KV offload: %d blocks (%.1f MiB) on disk in %s", len(self._files), self._used / 2**20, self.folder)
+        if self._entries:
+            logger.info("KV offload: %d blocks (%.1f MiB) on disk in %s", len(self._entries), self._used / 2**20,
+                        self.folder)
 
-    @staticmethod
-    def _key(block_hash: int) -> int:
+    def _key(self, block_hash: int) -> int:
+        """The hash as the 64 bits a file is named by."""
         return block_hash & 0xFFFF_FFFF_FFFF_FFFF
 
     def _path(self, key: int) -> Path:
         return self.folder / f"{key:016x}{SUFFIX}"
 
     def _drop(self, key: int) -> None:
-        size = self._files.pop(key, None)
+        size = self._entries.pop(key, None)
         if size is not None:
             self._used -= size
             self._removed(key)
         self._path(key).unlink(missing_ok=True)
-
-    def _make_room(self, size: int) -> None:
-        while self._files and self._used + size > self.capacity_bytes:
-            self._drop(next(iter(self._files)))
-
-    def __contains__(self, block_hash: int) -> bool:
-        with self.lock:
-            return self._key(block_hash) in self._files
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
 
     def store(self, block: StoredBlock) -> bool:
         data = encode_block(block, self.fingerprint)
@@ -155,10 +140,10 @@ class DiskTier(KVTier):
         try:
             temporary.write_bytes(data)
             with self.lock:
-                self._make_room(len(data) - self._files.get(key, 0))
+                self._make_room(len(data) - self._entries.get(key, 0))
                 os.replace(temporary, self._path(key))
-                self._used += len(data) - self._files.pop(key, 0)
-                self._files[key] = len(data)
+                self._used += len(data) - self._entries.pop(key, 0)
+                self._entries[key] = len(data)
         except OSError as exc:
             logger.warning("KV offload: could not write block file: %s", exc)
             temporary.unlink(missing_ok=True)
@@ -168,9 +153,9 @@ class DiskTier(KVTier):
     def load(self, block_hash: int) -> StoredBlock | None:
         key = self._key(block_hash)
         with self.lock:
-            if key not in self._files:
+            if key not in self._entries:
                 return None
-            self._files.move_to_end(key)
+            self._entries.move_to_end(key)
         path = self._path(key)
         try:
             block = decode_block(path.read_bytes(), self.fingerprint, block_hash)

@@ -1,4 +1,5 @@
-"""The tier interface (what a stored block is, what a tier must do) and the host-memory tier.
+"""The tier base (what a stored block is, what a tier must do, the LRU bookkeeping tiers share) and
+the host-memory tier.
 
 A tier keeps full prefix blocks by their chained block hash (backend/kv_cache/block_pool.py), with
 the tokens and parent hash that identify them, so a load is verified exactly like a pool hit: a
@@ -35,7 +36,12 @@ class StoredBlock:
 
 
 class KVTier(ABC):
-    """A bounded store of StoredBlocks keyed by block hash."""
+    """A bounded store of StoredBlocks keyed by block hash.
+
+    The bookkeeping every tier shares is here: ``_entries`` maps each kept block's key to what the
+    tier holds for it (least recently used first), ``_used`` counts their bytes, and ``_make_room``
+    evicts through the tier's ``_drop``.
+    """
 
     name: str = "tier"
 
@@ -47,20 +53,36 @@ class KVTier(ABC):
         # Called (under the lock) with the hash of each block the tier drops to make room or as
         # unreadable: KV events tell routers it is gone.
         self.on_removed: Callable[[int], None] | None = None
+        self._entries: OrderedDict[int, object] = OrderedDict()
+        self._used = 0
 
     def _removed(self, block_hash: int) -> None:
         if self.on_removed is not None:
             self.on_removed(block_hash)
 
-    @abstractmethod
-    def __contains__(self, block_hash: int) -> bool: ...
+    def _key(self, block_hash: int) -> int:
+        """The key ``block_hash`` is kept under in ``_entries``."""
+        return block_hash
 
-    @abstractmethod
-    def __len__(self) -> int: ...
+    def __contains__(self, block_hash: int) -> bool:
+        with self.lock:
+            return self._key(block_hash) in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def _make_room(self, size: int) -> None:
+        """Drops the least recently used entries until ``size`` more bytes fit (called under the lock)."""
+        while self._entries and self._used + size > self.capacity_bytes:
+            self._drop(next(iter(self._entries)))
+
     @abstractmethod
-    def used_bytes(self) -> int: ...
+    def _drop(self, key: int) -> None:
+        """Forgets entry ``key``: its bytes leave ``_used`` and on_removed hears of it."""
 
     @abstractmethod
     def store(self, block: StoredBlock) -> bool:
@@ -75,23 +97,15 @@ class HostMemoryTier(KVTier):
     """Blocks in host memory (pinned beside a CUDA device, so the copies back are DMA)."""
 
     name = "host"
+    _entries: OrderedDict[int, StoredBlock]  # block hash -> the block
 
     def __init__(self, capacity_bytes: int, pin_memory: bool = False) -> None:
         super().__init__(capacity_bytes)
         self.pin_memory = pin_memory
-        self._blocks: OrderedDict[int, StoredBlock] = OrderedDict()
-        self._used = 0
 
-    def __contains__(self, block_hash: int) -> bool:
-        with self.lock:
-            return block_hash in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
+    def _drop(self, key: int) -> None:
+        self._used -= self._entries.pop(key).nbytes
+        self._removed(key)
 
     def store(self, block: StoredBlock) -> bool:
         if block.nbytes > self.capacity_bytes:
@@ -99,20 +113,17 @@ class HostMemoryTier(KVTier):
         kv = block.kv.pin_memory() if self.pin_memory and not block.kv.is_pinned() else block.kv
         stored = StoredBlock(block.block_hash, block.parent_hash, tuple(block.token_ids), kv)
         with self.lock:
-            old = self._blocks.pop(block.block_hash, None)
+            old = self._entries.pop(block.block_hash, None)
             if old is not None:
                 self._used -= old.nbytes
-            while self._blocks and self._used + stored.nbytes > self.capacity_bytes:
-                _, evicted = self._blocks.popitem(last=False)
-                self._used -= evicted.nbytes
-                self._removed(evicted.block_hash)
-            self._blocks[block.block_hash] = stored
+            self._make_room(stored.nbytes)
+            self._entries[block.block_hash] = stored
             self._used += stored.nbytes
         return True
 
     def load(self, block_hash: int) -> StoredBlock | None:
         with self.lock:
-            block = self._blocks.get(block_hash)
+            block = self._entries.get(block_hash)
             if block is not None:
-                self._blocks.move_to_end(block_hash)
+                self._entries.move_to_end(block_hash)
             return block
