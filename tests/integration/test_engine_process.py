@@ -23,7 +23,7 @@ from backend.config import engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
 from backend.proc_stat import read_proc_stat
 from backend.protocol.sampling import SamplingParams
-from backend.server.launcher import live_processes_in_group
+from backend.server.process_group import live_processes_in_group
 from client.stream import StreamingClient
 from tests.integration.conftest import MODEL_REPOSITORY
 from tests.integration.processes import describe_processes, processes_whose_command_has

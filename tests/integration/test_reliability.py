@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 import tritonclient.http as httpclient
 
-from backend.server.launcher import live_processes_in_group
+from backend.server.process_group import live_processes_in_group
 from client.stream import StreamingClient
 from tests.integration.processes import describe_processes
 

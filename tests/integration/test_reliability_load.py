@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend.server.launcher import live_processes_in_group
+from backend.server.process_group import live_processes_in_group
 from client.stream import StreamingClient
 from tests.integration.processes import describe_processes, processes_whose_command_has
 from tests.integration.test_llm_model import metric, read_metrics

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from backend.server.launcher import live_processes_in_group
+from backend.server.process_group import live_processes_in_group
 from client.stream import StreamingClient
 from tests.integration.processes import describe_processes
 

@@ -27,7 +27,7 @@ from backend.paths import REPO_ROOT
 from backend.proc_stat import read_proc_stat
 from backend.protocol.messages import AddRequest
 from backend.protocol.sampling import SamplingParams
-from backend.server.launcher import live_processes_in_group
+from backend.server.process_group import live_processes_in_group
 from tests.conftest import DEMO_REPOSITORY
 from tests.integration.processes import describe_processes
 
@@ -188,7 +188,7 @@ def test_a_stopped_core_leaves_no_process_even_while_its_compile_fork_server_sta
         import json, os, time
         from backend.config import engine_config_from_model_folder
         from backend.engine_core.process_client import ProcessClient
-        from backend.server.launcher import live_processes_in_group
+        from backend.server.process_group import live_processes_in_group
         from tests.integration.processes import describe_processes, processes_whose_command_has
 
         def ours():
@@ -221,7 +221,7 @@ def test_a_killed_parent_leaves_no_process_even_while_the_cores_compile_fork_ser
         import json, os, time
         from backend.config import engine_config_from_model_folder
         from backend.engine_core.process_client import ProcessClient
-        from backend.server.launcher import live_processes_in_group
+        from backend.server.process_group import live_processes_in_group
         from tests.integration.processes import processes_whose_command_has
 
         client = ProcessClient(engine_config_from_model_folder({str(DEMO_REPOSITORY / "llm")!r}), 4)
