@@ -95,7 +95,7 @@ idle-cpu: setup
 	$(PY) -m perf.idle_cpu
 
 bench-affinity: setup
-	$(PY) -m perf.bench_affinity
+	$(PY) -m perf.router_bench --replicas 2 --policies nginx,nginx-round-robin
 
 ablations: setup
 	$(PY) -m perf.ablations --out-json perf/results/ablations.json
@@ -156,7 +156,7 @@ profile-step: setup
 	$(PY) -m perf.profile_step
 
 lint: setup
-	$(VENV)/bin/ruff check backend client tests perf openai_front
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
 # The user guide (docs/, mkdocs.yml) into build/site; `$(VENV)/bin/mkdocs serve` to read it live.

@@ -1,9 +1,12 @@
-"""One kept-alive HTTP/1.1 connection (standard library only) that POSTs a streamed request: what
-the load generator's HTTP clients (client.openai_stream, client.triton_http_stream) share."""
+"""One kept-alive HTTP/1.1 connection (standard library only) that POSTs a streamed request and reads
+its server-sent events: what the load generator's HTTP clients (client.openai_stream,
+client.triton_http_stream) share."""
 
 from __future__ import annotations
 
 import http.client
+import json
+import time
 from typing import Self
 from urllib.parse import urlsplit
 
@@ -53,6 +56,23 @@ class KeepAliveClient:
     def close(self, cancel_requests: bool = False) -> None:
         del cancel_requests  # closing the socket is how an HTTP client cancels
         self.connection.close()
+
+    def stream_events(self, path: str, body: bytes, headers: dict[str, str], result, on_event) -> bool:
+        """POSTs ``body`` (JSON) for server-sent events and hands each event, parsed, with its arrival
+        time to ``on_event(event, now)``; an event carrying ``error`` sets ``result.error`` instead
+        (``result``: the client's StreamResult). False, ``result.error`` set, on an answer other than 200."""
+        response = self.connection.post(path, body, {
+            "Content-Type": "application/json", "Accept": "text/event-stream", **headers})
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {response.read().decode('utf-8', 'replace')[:500]}"
+            return False
+        for payload in server_sent_events(response):  # "data: {...}" lines, then "data: [DONE]" or the end
+            event, now = json.loads(payload), time.monotonic()
+            if "error" in event:
+                result.error = str(event["error"])
+            else:
+                on_event(event, now)
+        return True
 
     def __enter__(self) -> Self:
         return self

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 
-from client.keepalive_http import KeepAliveClient, server_sent_events
+from client.keepalive_http import KeepAliveClient
 from client.stream import StreamResult
 
 
@@ -36,35 +36,21 @@ class OpenAIStreamingClient(KeepAliveClient):
             "ignore_eos": bool(ignore_eos), "stream": True, "stream_options": {"include_usage": True},
         }).encode("utf-8")
         result = StreamResult(start_time=time.monotonic())
-        response = self.connection.post("/v1/completions", body, {
-            "Content-Type": "application/json", "Accept": "text/event-stream", **(headers or {})})
-        if response.status != 200:
-            detail = response.read().decode("utf-8", "replace")[:500]
-            result.error = f"HTTP {response.status}: {detail}"
-            result.end_time = time.monotonic()
-            return result
-        for payload in server_sent_events(response):  # "data: {...}" lines, then "data: [DONE]"
-            self._read_chunk(result, json.loads(payload), time.monotonic(), on_chunk)
-        result.num_final = 1
+        answered = self.stream_events("/v1/completions", body, headers or {}, result,
+                                      lambda chunk, now: self._read_chunk(result, chunk, now, on_chunk))
         result.end_time = time.monotonic()
-        if result.error is None and result.num_output_tokens is None:
-            result.error = "the stream ended without a usage chunk (token counts unknown)"
+        if answered:
+            result.num_final = 1
+            if result.error is None and result.num_output_tokens is None:
+                result.error = "the stream ended without a usage chunk (token counts unknown)"
         return result
 
     @staticmethod
     def _read_chunk(result: StreamResult, chunk: dict, now: float, on_chunk) -> None:
-        if "error" in chunk:
-            result.error = str(chunk["error"])
-            return
         for choice in chunk.get("choices") or ():
             text = choice.get("text") or ""
             if text:
-                result.text += text
-                result.deltas.append(text)
-                result.token_times.append(now)
-                result.num_responses += 1
-                if result.first_token_time is None:
-                    result.first_token_time = now
+                result.add_text(text, now)
                 if on_chunk is not None:
                     on_chunk(result)
             if choice.get("finish_reason"):

@@ -59,6 +59,15 @@ class StreamResult:
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.start_time
 
+    def add_text(self, text: str, now: float) -> None:
+        """A response that carried tokens (``text`` their text) arrived at ``now``."""
+        self.text += text
+        self.deltas.append(text)
+        self.token_times.append(now)
+        self.num_responses += 1
+        if self.first_token_time is None:
+            self.first_token_time = now
+
 
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
                 "return_num_input_tokens", "return_num_output_tokens")

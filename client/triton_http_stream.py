@@ -18,7 +18,7 @@ import json
 import time
 from urllib.parse import quote
 
-from client.keepalive_http import KeepAliveClient, server_sent_events
+from client.keepalive_http import KeepAliveClient
 from client.stream import StreamResult
 
 
@@ -43,22 +43,14 @@ class TritonHTTPStreamingClient(KeepAliveClient):
             if value is not None:
                 fields[name] = json.dumps(value) if isinstance(value, dict) else value
         result = StreamResult(start_time=time.monotonic())
-        response = self.connection.post(self.path, json.dumps(fields).encode("utf-8"),
-                                         {"Content-Type": "application/json", "Accept": "text/event-stream"})
-        if response.status != 200:
-            result.error = f"HTTP {response.status}: {response.read().decode('utf-8', 'replace')[:500]}"
-        else:
-            for payload in server_sent_events(response):
-                self._read_event(result, json.loads(payload), time.monotonic(), on_response)
+        self.stream_events(self.path, json.dumps(fields).encode("utf-8"), {}, result,
+                           lambda event, now: self._read_event(result, event, now, on_response))
         result.num_final = 1
         result.end_time = time.monotonic()
         return result
 
     @staticmethod
     def _read_event(result: StreamResult, event: dict, now: float, on_response) -> None:
-        if "error" in event:
-            result.error = str(event["error"])
-            return
         text = event.get("text_output")
         text = "".join(text) if isinstance(text, list) else (text or "")
         ids = event.get("output_ids")
@@ -71,12 +63,7 @@ class TritonHTTPStreamingClient(KeepAliveClient):
             result.num_output_tokens = int(_first(event["num_output_tokens"]))
         if not (text or ids):
             return
-        result.text += text
-        result.deltas.append(text)
         result.token_ids.extend(int(i) for i in ids)
-        result.token_times.append(now)
-        result.num_responses += 1
-        if result.first_token_time is None:
-            result.first_token_time = now
+        result.add_text(text, now)
         if on_response is not None:
             on_response(None, result)

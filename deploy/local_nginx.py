@@ -67,7 +67,7 @@ def render(listen_port: int, upstream_ports: list[int], consistent_hash: bool = 
     servers = "\n        ".join(_loopback_servers(match, upstream_ports))
     text = text[: match.start()] + servers + text[match.end():]
     text = _LISTEN.sub(f"listen 127.0.0.1:{listen_port} http2;", text)
-    if not consistent_hash:  # round-robin, the baseline of perf/bench_affinity.py
+    if not consistent_hash:  # round-robin: perf.router_bench's nginx-round-robin, the baseline of the hash
         text = text.replace(HASH_DIRECTIVE, "# round-robin (no hash)")
     return _with_temp_paths(text, temp_dir)
 

@@ -10,6 +10,8 @@ import argparse
 import os
 import sys
 
+import uvicorn
+
 from openai_front.app import FrontSettings, create_app
 from openai_front.auth import ApiKeys
 from openai_front.protocol import Limits
@@ -42,8 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn  # noqa: PLC0415
-
     args = build_parser().parse_args(argv)
     for name in ("max_concurrent", "max_n", "max_tokens", "max_body_bytes"):
         if getattr(args, name) < 1:

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from backend.config import engine_config_from_model_folder
+from backend.engine.llm_engine import LLMEngine
 from backend.models.shape import ceil_div
 from backend.paths import REPO_ROOT
 from client.bench.progress import Progress
@@ -81,9 +83,6 @@ SIZES = {
 
 # ------------------------------------------------------------------------------------ helpers
 def make_engine(model_folder: str, overrides: dict[str, str], warm_prompt: list[int]):
-    from backend.config import engine_config_from_model_folder
-    from backend.engine.llm_engine import LLMEngine
-
     engine = LLMEngine(engine_config_from_model_folder(model_folder, **overrides))
     warm_up(engine, warm_prompt[:8])
     return engine
@@ -118,14 +117,6 @@ class Sim:
         self.peak_running = self.running_sum = 0
         self.stopped = False
         self.step_log: list[tuple[int, int, float]] = []  # (tokens, requests, seconds) per engine step
-
-    @property
-    def steps(self) -> int:
-        return self.driver.steps
-
-    @property
-    def num_tokens(self) -> int:
-        return self.driver.num_tokens
 
     @property
     def done(self) -> bool:
@@ -197,9 +188,9 @@ class Sim:
             "prefill_step_tokens": sum(t for t, _, _ in mixed),
         }
         return {"step_breakdown": breakdown, "records": records, "seconds": self.clock, "cpu_seconds": self.cpu_clock,
-                "wall_seconds": time.monotonic() - self.wall_start,
-                "steps": self.steps, "output_tokens": self.num_tokens, "peak_running": self.peak_running,
-                "mean_running": self.running_sum / max(self.steps, 1), "preemptions": stats.num_preemptions,
+                "wall_seconds": time.monotonic() - self.wall_start, "steps": self.driver.steps,
+                "output_tokens": self.driver.num_tokens, "peak_running": self.peak_running,
+                "mean_running": self.running_sum / max(self.driver.steps, 1), "preemptions": stats.num_preemptions,
                 "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits}
 
 
@@ -216,10 +207,10 @@ def interleave(sims: list[Sim], label: str, progress: Progress | None = None) ->
         order = sims if round_index % 2 == 0 else list(reversed(sims))
         for sim in order:
             if not sim.done:
-                tokens_before = sim.num_tokens
+                tokens_before = sim.driver.num_tokens
                 for _ in sim.advance():
                     progress.finish(failed=False)
-                progress.add_tokens(sim.num_tokens - tokens_before)
+                progress.add_tokens(sim.driver.num_tokens - tokens_before)
         round_index += 1
     return [sim.result() for sim in sims]
 
@@ -437,8 +428,6 @@ RUNNERS = {"inflight": ablation_inflight, "prefix_caching": ablation_prefix_cach
 
 
 def run_ablations(names, model_folder: str, smoke: bool = False, seed: int = 0) -> dict:
-    from backend.config import engine_config_from_model_folder
-
     builder = prompt_builder(engine_config_from_model_folder(model_folder))
     sizes = SIZES["smoke" if smoke else "full"]
     ablations = {}
@@ -483,7 +472,6 @@ def main(argv=None) -> int:
                             text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "backend", "models", "model_repository"],
                            cwd=REPO_ROOT, capture_output=True, text=True).stdout.split("\n")
-    from backend.config import engine_config_from_model_folder
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     record = {"ablations": ablations, "commit": commit,

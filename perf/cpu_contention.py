@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from backend.paths import REPO_ROOT
+from client.bench.metadata import git_state, machine_info, now_iso
 from client.stream import StreamingClient
 from perf.compare.cpu_meter import CpuMeter
 from perf.runtime_settings import OPENMP_WAITS
@@ -135,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"of {', '.join(POLICIES)}, each optionally with {FIXED_THREADS}")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "perf" / "results" / "cpu_contention.json")
     args = parser.parse_args(argv)
-    from client.bench.metadata import git_state, machine_info, now_iso  # noqa: PLC0415
 
     check_policies(args.policies.split(","))
     results = measure(args.policies.split(","), args.model_repository, args.max_tokens, args.repeat)

@@ -29,7 +29,7 @@ import time
 import torch
 
 from backend.attention.base import AttentionMetadata
-from backend.attention.cpu_backend import CpuAttentionBackend
+from backend.attention.cpu_backend import CpuAttentionBackend, paged_decode
 from backend.attention.cpu_kernel.build import load_kernel
 from backend.attention.torch_backend import TorchAttentionBackend
 
@@ -77,8 +77,6 @@ def time_decode(backend, query, key_cache, value_cache, metadata, repeat: int) -
 
 def cold_cache(kernel, batch: int, repeat: int) -> int:
     """Warm against cold K/V for the kernel alone (see the module docstring)."""
-    from backend.attention.cpu_backend import paged_decode  # noqa: PLC0415
-
     num_heads, num_kv_heads, head_size = MODELS["smollm2"]
     dtype = torch.bfloat16
     num_blocks = (1 << 30) // (BLOCK_SIZE * num_kv_heads * head_size * 2)

@@ -1,26 +1,31 @@
-"""float32 against bfloat16 on the CPU, per model: throughput, and greedy agreement with transformers
-in the same dtype. What ``dtype: auto`` is decided on (backend/models/loader.resolve_dtype).
+"""float32 against bfloat16 on the CPU, per model: greedy agreement with transformers in the same
+dtype, the half of what ``dtype: auto`` is decided on (backend/models/loader.resolve_dtype) that no
+other benchmark measures. The engine's greedy tokens (batched, as it serves) against transformers
+``generate()`` in the same dtype, on ``--prompts`` prompts written for the repository
+(data/demo_corpus.txt slices and chat prompts) of ``--max-tokens`` tokens each: the share of prompts
+that are token-for-token equal, and of tokens before the first difference.
 
-Throughput: ``python -m perf.compare --systems engine`` on the same seeded workload, the two dtypes
-alternating, ``--repeat`` rounds, medians (perf.runtime_settings' rounds, a child process each). Agreement: the engine's greedy tokens (batched, as it
-serves) against transformers ``generate()`` in the same dtype, on ``--prompts`` prompts written
-for the repository (data/demo_corpus.txt slices and chat prompts) of ``--max-tokens`` tokens each:
-the share of prompts that are token-for-token equal, and of tokens before the first difference.
+The other half, throughput, is perf.engine_settings' question for any parameter:
 
-    .venv/bin/python -m perf.dtype_choice [--models smollm2,demo] [--repeat 2] [--prompts 16] [--max-tokens 48]
+    .venv/bin/python -m perf.dtype_choice [--models smollm2,demo] [--prompts 16] [--max-tokens 48]
+    .venv/bin/python -m perf.engine_settings --param dtype --values float32,bfloat16 --repeat 3 \
+        [--model models/demo-repository/llm]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from backend.config import engine_config_from_model_folder
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.tokenizer import load_tokenizer
 from backend.paths import REPO_ROOT
+from backend.protocol.sampling import SamplingParams
 from perf import engine_driver
-from perf.runtime_settings import MIXED_WORKLOAD, alternate
 
 MODELS = {  # name -> (model repository, model folder)
     "smollm2": (REPO_ROOT / "model_repository", REPO_ROOT / "models" / "smollm2-135m-instruct"),
@@ -29,8 +34,6 @@ MODELS = {  # name -> (model repository, model folder)
 
 
 def prompts(folder: Path, count: int) -> list[list[int]]:
-    from backend.engine.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(str(folder))  # as the engine loads it, from the model's folder
     corpus = (REPO_ROOT / "data" / "demo_corpus.txt").read_text(encoding="utf-8")
     texts = [corpus[i * 700 : i * 700 + 120 + 60 * (i % 5)] for i in range(count)]
@@ -45,12 +48,6 @@ def prompts(folder: Path, count: int) -> list[list[int]]:
 
 def agreement(folder: Path, repository: Path, dtype: str, count: int, max_tokens: int) -> tuple[float, float]:
     """(share of prompts equal token for token, share of tokens before the first difference)."""
-    from transformers import AutoModelForCausalLM
-
-    from backend.config import engine_config_from_model_folder
-    from backend.engine.llm_engine import LLMEngine
-    from backend.protocol.sampling import SamplingParams
-
     ids = prompts(folder, count)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     want = []
@@ -74,34 +71,21 @@ def agreement(folder: Path, repository: Path, dtype: str, count: int, max_tokens
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.dtype_choice", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,demo")
-    parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args(argv)
     rows = []
     for name in args.models.split(","):
         repository, folder = MODELS[name]
-        dtypes = ("float32", "bfloat16")
-        speeds: dict[str, list[float]] = {dtype: [] for dtype in dtypes}
-        if not args.skip_throughput:
-            print(f"{name}: throughput", flush=True)
-            speeds = alternate({dtype: (["--model-repository", str(repository), *MIXED_WORKLOAD, "--dtype", dtype], None)
-                                for dtype in dtypes}, args.repeat, REPO_ROOT / "build" / "dtype_choice" / name)
-        for dtype in speeds:
+        for dtype in ("float32", "bfloat16"):
             exact, prefix = agreement(folder, repository, dtype, args.prompts, args.max_tokens)
             print(f"{name} {dtype}: {exact:.0%} of prompts equal to transformers, {prefix:.1%} of tokens before the "
                   f"first difference", flush=True)
-            median = statistics.median(speeds[dtype]) if speeds[dtype] else None
-            rows.append((name, dtype, speeds[dtype], median, exact, prefix))
-    print("\n| model | dtype | out tok/s per round | median | bf16 / fp32 | prompts equal to transformers (same dtype) "
-          "| tokens before the first difference |\n| --- | --- | --- | ---: | ---: | ---: | ---: |")
-    medians = {(r[0], r[1]): r[3] for r in rows}
-    for name, dtype, values, median, exact, prefix in rows:
-        fp32 = medians.get((name, "float32"))
-        ratio = f"{median / fp32:.2f}x" if dtype == "bfloat16" and median and fp32 else "-"
-        print(f"| {name} | {dtype} | {', '.join(f'{v:.1f}' for v in values) or '-'} | "
-              f"{'-' if median is None else f'{median:.1f}'} | {ratio} | {exact:.0%} | {prefix:.1%} |")
+            rows.append(f"| {name} | {dtype} | {exact:.0%} | {prefix:.1%} |")
+    print(f"\n{args.prompts} prompts, {args.max_tokens} greedy tokens each\n\n"
+          "| model | dtype | prompts equal to transformers (same dtype) | tokens before the first difference |\n"
+          "| --- | --- | ---: | ---: |")
+    print("\n".join(rows))
     return 0
 
 

@@ -4,7 +4,9 @@ Each round runs every value once on the same seeded workload (a fresh engine per
 reversed every other round, so a machine's slow stretch does not land on one value), and the table
 gives each value's medians: output tok/s, TTFT and ITL p50/p99, the engine's CPU seconds and steps.
 Made for the scheduler's knobs, whose best value depends on the CPU (``max_num_batched_tokens``:
-perf/RESULTS.md, "The step's token budget on AMX").
+perf/RESULTS.md, "The step's token budget on AMX"), and for ``dtype`` itself (``--param dtype --values
+float32,bfloat16``: the throughput half of what ``dtype: auto`` is decided on; perf.dtype_choice
+gives the agreement half).
 
     .venv/bin/python -m perf.engine_settings --param max_num_batched_tokens --values 512,1024,2048 \\
         [--repeat 3] [--dtype bfloat16] [--num-requests 64 --input-len uniform:16:512 --output-len uniform:16:256]
@@ -17,7 +19,13 @@ import json
 import statistics
 from pathlib import Path
 
+from backend.config import engine_config_from_model_folder
 from backend.paths import REPO_ROOT
+from client.bench.arrivals import ArrivalPattern
+from client.bench.metadata import git_state, machine_info, now_iso
+from client.bench.stats import compute_metrics
+from perf import engine_driver
+from perf.compare.engine_in_process import run_engine_in_process
 
 COLUMNS = (("tok/s", "output_tok_s", "{:.1f}"), ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"),
            ("TTFT p99 ms", "ttft_p99_ms", "{:.0f}"), ("ITL p50 ms", "itl_p50_ms", "{:.1f}"),
@@ -47,10 +55,6 @@ def table(param: str, runs: dict[str, list[dict]]) -> str:
 
 def measure(model_folder: str, requests, concurrency: int, overrides: dict[str, str], seed: int) -> dict:
     """One run of the engine in-process: the table's columns."""
-    from client.bench.arrivals import ArrivalPattern  # noqa: PLC0415
-    from client.bench.stats import compute_metrics  # noqa: PLC0415
-    from perf.compare.engine_in_process import run_engine_in_process  # noqa: PLC0415
-
     records, duration, summary = run_engine_in_process(model_folder, requests, ArrivalPattern("concurrency", concurrency),
                                                        overrides, seed, progress_interval_s=0)
     metrics = compute_metrics(records, duration)
@@ -66,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="rounds (default: %(default)s)")
     parser.add_argument("--model", default=str(REPO_ROOT / "model_repository" / "llm"),
                         help="the model folder whose config.pbtxt configures the engine")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                        help="the dtype of every run (with --param dtype, the values instead)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", default="uniform:16:512")
     parser.add_argument("--output-len", default="uniform:16:256")
@@ -75,19 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     values = [v.strip() for v in args.values.split(",") if v.strip()]
 
-    from backend.config import engine_config_from_model_folder  # noqa: PLC0415
-    from client.bench.metadata import git_state, machine_info, now_iso  # noqa: PLC0415
-    from perf import engine_driver  # noqa: PLC0415
+    def overrides(value: str) -> dict[str, str]:
+        return {"dtype": args.dtype, args.param: value}  # with --param dtype, the value wins
 
     for value in values:  # a bad value fails here, before any run
-        engine_config_from_model_folder(args.model, dtype=args.dtype, **{args.param: value})
-    config = engine_config_from_model_folder(args.model, dtype=args.dtype)
+        engine_config_from_model_folder(args.model, **overrides(value))
+    config = engine_config_from_model_folder(args.model, **overrides(values[0]))
     requests = engine_driver.token_workload(engine_driver.prompt_builder(config), args.num_requests, args.input_len,
                                             args.output_len, args.seed)
     runs: dict[str, list[dict]] = {value: [] for value in values}
     for round_index in range(args.repeat):
         for value in round_order(values, round_index):
-            run = measure(args.model, requests, args.num_requests, {"dtype": args.dtype, args.param: value}, args.seed)
+            run = measure(args.model, requests, args.num_requests, overrides(value), args.seed)
             runs[value].append(run)
             print(f"round {round_index + 1}/{args.repeat} {args.param}={value}: " +
                   ", ".join(f"{title} {form.format(run[key])}" for title, key, form in COLUMNS), flush=True)

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from backend.proc_stat import read_proc_stat
-from backend.server.launcher import live_processes_in_group, start_server
+from backend.server.launcher import start_server
+from backend.server.process_group import live_processes_in_group
 from perf.served import DEFAULT_MODEL_REPOSITORY
 
 

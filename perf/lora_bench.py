@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from backend.config import EngineConfig, engine_config_from_model_folder
 from backend.engine.llm_engine import LLMEngine
@@ -41,6 +42,7 @@ from backend.protocol.sampling import SamplingParams
 from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.report import write_json
 from client.bench.stats import summarize_ms
+from perf.compare import vllm_server
 from perf.engine_driver import add_model_folder_argument, prompt_builder, run, token_workload, warm_up
 from perf.served import RESULTS_DIR
 
@@ -50,8 +52,7 @@ ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def make_adapters(model_dir: str, count: int, rank: int, out: Path) -> Path:
     """``count`` peft adapters of ``rank`` on every projection (seeded, made once) and their
     multi_lora.json; returns the json's path."""
-    import peft  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    import peft  # noqa: PLC0415 (optional: peft, the dev extra)
 
     out.mkdir(parents=True, exist_ok=True)
     names = [f"r{rank}-{index}" for index in range(count)]
@@ -83,7 +84,7 @@ def measure(engine: LLMEngine, requests, adapters: list[str | None]) -> dict:
 def measure_vllm(url: str, requests, models: list[str]) -> dict:
     """The same requests through vLLM's OpenAI streaming completions, all at once, request i on
     models[i % len] (the served base name or an adapter's)."""
-    import openai  # noqa: PLC0415
+    import openai  # noqa: PLC0415 (optional: openai, the dev extra)
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
 
@@ -117,16 +118,14 @@ def start_vllm_with_adapters(model_dir: str, table: Path, names: list[str], rank
                              config: EngineConfig):
     """vLLM's tuned server with the adapters of ``table``, under our engine ``config``'s limits (the
     engines measured beside it run under them too)."""
-    from perf.compare.vllm_server import SERVED_MODEL_NAME, start_vllm  # noqa: PLC0415
-
     folders = json.loads(table.read_text())
     extra = ["--enable-lora", "--max-loras", str(len(names)), "--max-lora-rank", str(rank),
              "--max-cpu-loras", str(len(names) + 1),
              "--lora-modules", *[f"{name}={table.parent / folders[name]}" for name in names]]
-    return start_vllm(model_dir, setup="tuned", dtype=dtype, max_model_len=config.model.max_model_len,
-                      max_num_seqs=config.scheduler.max_num_seqs,
-                      max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                      extra_args=extra), SERVED_MODEL_NAME
+    return vllm_server.start_vllm(model_dir, setup="tuned", dtype=dtype, max_model_len=config.model.max_model_len,
+                                  max_num_seqs=config.scheduler.max_num_seqs,
+                                  max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                                  extra_args=extra), vllm_server.SERVED_MODEL_NAME
 
 
 def first_token_seconds(engine: LLMEngine, prompt: list[int], adapter: str) -> float:

@@ -36,6 +36,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from backend.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from backend.engine.llm_engine import LLMEngine
@@ -73,8 +81,6 @@ def save_random(model_cls, config, out: Path) -> Path:
 
 
 def build_moe(out: Path) -> Path:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: PLC0415
-
     shape = smollm2_shape()
     inter = shape.pop("intermediate")
     config = Qwen3MoeConfig(**shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
@@ -84,8 +90,6 @@ def build_moe(out: Path) -> Path:
 
 
 def build_gemma(out: Path, window: int, sliding: bool) -> Path:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: PLC0415
-
     shape = smollm2_shape()
     inter = shape.pop("intermediate")
     layers = shape["num_hidden_layers"]
@@ -97,8 +101,6 @@ def build_gemma(out: Path, window: int, sliding: bool) -> Path:
 
 
 def build_mistral(out: Path, window: int) -> Path:
-    from transformers import MistralConfig, MistralForCausalLM  # noqa: PLC0415
-
     shape = smollm2_shape()
     inter = shape.pop("intermediate")
     config = MistralConfig(**shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"],

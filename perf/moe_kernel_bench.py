@@ -40,9 +40,9 @@ def timed(call, repeat: int) -> float:
 
 
 def ours(tokens: list[int], repeat: int) -> dict:
-    from backend.attention.cpu_kernel.build import load_kernel
-    from backend.models.family import MoeSpec
-    from backend.models.moe import SparseMoeBlock
+    from backend.attention.cpu_kernel.build import load_kernel  # noqa: PLC0415 (process: --as-vllm runs this module in vLLM's venv (.peers/vllm), which loads none of our backend)
+    from backend.models.family import MoeSpec  # noqa: PLC0415 (process: --as-vllm runs this module in vLLM's venv (.peers/vllm), which loads none of our backend)
+    from backend.models.moe import SparseMoeBlock  # noqa: PLC0415 (process: --as-vllm runs this module in vLLM's venv (.peers/vllm), which loads none of our backend)
 
     kernels = load_kernel()
     results = {}
@@ -73,7 +73,7 @@ def ours(tokens: list[int], repeat: int) -> dict:
 
 
 def vllm(tokens: list[int], repeat: int) -> dict:  # runs inside vLLM's environment
-    import vllm._custom_ops as ops
+    import vllm._custom_ops as ops  # noqa: PLC0415 (optional: vllm's _custom_ops, the peer in .peers/vllm, whose venv runs this with --as-vllm)
 
     results = {}
     for name in DTYPES:
@@ -110,7 +110,7 @@ def main() -> int:
         return 0
     vllm_times = {}
     if not args.no_vllm:
-        from perf.compare.vllm_server import offline_environment, vllm_python
+        from perf.compare.vllm_server import offline_environment, vllm_python  # noqa: PLC0415 (process: --as-vllm runs this module in vLLM's venv (.peers/vllm), which loads none of our backend)
 
         python = vllm_python()
 

@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from backend.server.launcher import free_port
+from backend.config import engine_config_from_model_folder
+from backend.server.launcher import answers_200, free_port
 from backend.server.openai_process import OpenAIFront
 from client.bench.arrivals import ArrivalPattern
 from client.bench.lengths import parse_length
@@ -40,7 +41,13 @@ from client.bench.runner import API_OPENAI, API_TRITON, run_workload
 from client.bench.stats import compute_metrics
 from client.bench.workload import RUN_SEED_STRIDE, build_workload
 from perf.compare.cpu_meter import CpuMeter
-from perf.compare.vllm_server import SERVED_MODEL_NAME, offline_environment, start_vllm, vllm_python
+from perf.compare.vllm_server import (
+    SERVED_MODEL_NAME,
+    offline_environment,
+    start_vllm,
+    vllm_python,
+    vllm_version,
+)
 from perf.idle_cpu import process_cpu_seconds
 from perf.served import DEFAULT_MODEL_REPOSITORY, report_dir, tritonserver
 
@@ -55,16 +62,10 @@ FRONT_ROLE = "openai front"
 
 
 def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
-    import urllib.request  # noqa: PLC0415
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
+        if answers_200(f"{url}/health"):
+            return
         time.sleep(0.3)
     raise RuntimeError(f"{url} was not healthy in {timeout_s:.0f} s")
 
@@ -204,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = report_dir(args, "openai-front")
     out.mkdir(parents=True, exist_ok=True)
-    from backend.config import engine_config_from_model_folder  # noqa: PLC0415
-    from perf.compare.vllm_server import vllm_version  # noqa: PLC0415
 
     engine_config = engine_config_from_model_folder(str(Path(args.model_repository) / "llm"), dtype=args.dtype)
     model_dir = engine_config.model.model_dir

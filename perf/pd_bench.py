@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+from transformers import AutoConfig
 
 from backend.config import engine_config_from_model_folder
 from backend.models.loader import resolve_dtype
@@ -161,9 +163,6 @@ def summarize(records: dict, transfer: dict | None) -> dict:
 
 def kv_bytes_per_token(config) -> int:
     """Bytes of one token's KV in every layer, as the transfer sends them (the cache's dtype)."""
-    import torch  # noqa: PLC0415
-    from transformers import AutoConfig  # noqa: PLC0415
-
     hf = AutoConfig.from_pretrained(config.model.model_dir)
     head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     dtype = resolve_dtype(config.model.dtype, None, "cpu")
@@ -236,10 +235,10 @@ def ratios(results: dict[str, dict[int, list[dict]]], prompt_len: int) -> dict:
 
 def write_plot(results: dict[str, dict[int, list[dict]]], title: str, path) -> str:
     try:
-        import matplotlib  # noqa: PLC0415  (optional: the perf extra)
+        import matplotlib  # noqa: PLC0415 (optional: matplotlib, the perf extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (optional: matplotlib, the perf extra)
     except ImportError:
         return MISSING_MATPLOTLIB
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))

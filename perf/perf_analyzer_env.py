@@ -39,7 +39,7 @@ def cuda_runtime_lib_dir() -> Path | None:
     """The folder holding libcudart.so.12 from the nvidia-cuda-runtime-cu12 wheel, if installed."""
     roots = [Path(sysconfig.get_paths()["purelib"]), Path(sysconfig.get_paths()["platlib"])]
     try:
-        import nvidia.cuda_runtime  # noqa: PLC0415  (namespace package from the wheel)
+        import nvidia.cuda_runtime  # noqa: PLC0415 (optional: nvidia.cuda_runtime, the nvidia-cuda-runtime-cu12 wheel of the perf and dev extras)
 
         roots[:0] = [Path(p).parent.parent for p in nvidia.cuda_runtime.__path__]
     except ImportError:

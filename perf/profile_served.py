@@ -32,6 +32,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from backend.config import engine_config_from_model_folder
+from backend.server.process_group import live_processes_in_group
 from client.bench.arrivals import ArrivalPattern
 from client.bench.lengths import parse_length
 from client.bench.metadata import git_state, machine_info, now_iso
@@ -41,7 +43,7 @@ from client.bench.runner import run_workload
 from client.bench.triton_clients import TRITON_CLIENTS, client_url, run_triton_workload
 from client.bench.workload import build_workload
 from perf.compare.cpu_meter import CLIENT_ROLE, CpuMeter, process_role
-from perf.idle_cpu import live_processes_in_group, wait_until_quiet
+from perf.idle_cpu import wait_until_quiet
 from perf.served import DEFAULT_MODEL_REPOSITORY, report_dir, tritonserver
 
 RESPONSE_PATH_ROLES = ("stub llm", "tritonserver", CLIENT_ROLE)
@@ -236,8 +238,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = report_dir(args, "profile-served")
     out.mkdir(parents=True, exist_ok=True)
-
-    from backend.config import engine_config_from_model_folder  # noqa: PLC0415
 
     engine_config = engine_config_from_model_folder(str(Path(args.model_repository) / "llm"), dtype=args.dtype)
     builder = PromptBuilder(engine_config.model.tokenizer_dir or engine_config.model.model_dir)

@@ -24,7 +24,9 @@ from collections import defaultdict
 
 import torch
 
-from perf.engine_driver import add_model_folder_argument
+from backend.config import engine_config_from_model_folder
+from backend.engine.llm_engine import LLMEngine
+from perf.engine_driver import EngineDriver, add_model_folder_argument, prompt_builder, token_workload
 
 # aten/mkldnn operator name fragments -> category (first match wins)
 CATEGORIES = (
@@ -60,10 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE",
                         help="override a config.pbtxt parameter (repeatable)")
     args = parser.parse_args(argv)
-
-    from backend.config import engine_config_from_model_folder
-    from backend.engine.llm_engine import LLMEngine
-    from perf.engine_driver import EngineDriver, prompt_builder, token_workload
 
     overrides = dict(item.split("=", 1) for item in args.set)
     engine = LLMEngine(engine_config_from_model_folder(args.model_folder, **overrides))

@@ -1,7 +1,7 @@
 """Routing policies over N replicas on a multi-tenant workload: vllm-router's policies and our nginx hash.
 
     .venv/bin/python -m perf.router_bench [--model demo|smollm2] [--replicas 3] [--rounds 1]
-        [--policies kv_aware,cache_aware,consistent_hash,round_robin,nginx,nginx-http,kv_aware+affinity]
+        [--policies kv_aware,cache_aware,consistent_hash,round_robin,nginx,nginx-round-robin,nginx-http,kv_aware+affinity]
         [--tenants 6 ...]
 
 For each round, each policy in turn (alternating across rounds) gets fresh replicas (empty prefix
@@ -11,7 +11,8 @@ more tenants than the fleet can cache), and the same requests (client.bench's te
 their own long system prompts, growing multi-turn sessions, Poisson arrivals). vllm-router's
 policies get the requests over OpenAI HTTP with an ``x-session-id`` header naming the session
 (what ``consistent_hash`` keys on); ``nginx`` is our compose routing (deploy/nginx.conf: consistent
-hash of the same header) over Triton gRPC; ``nginx-http`` the same hash over OpenAI HTTP in front of
+hash of the same header) over Triton gRPC; ``nginx-round-robin`` the same nginx and transport without
+the hash (what affinity buys over nginx's own spreading, with nothing else changed); ``nginx-http`` the same hash over OpenAI HTTP in front of
 the replicas' fronts (deploy/local_nginx.py ``start_nginx_http``: the transport vllm-router's
 policies use, so ITL compares routing, not transports); ``kv_aware+affinity`` is kv_aware with the router's
 session affinity (a session's later turns stay where its first was costed); ``kv_aware+t4`` samples
@@ -39,15 +40,16 @@ from client.bench.prompts import PromptBuilder
 from client.bench.report import MISSING_MATPLOTLIB, save_figure, write_json
 from client.bench.runner import API_OPENAI, API_TRITON, run_workload
 from client.bench.stats import compute_metrics, percentile
-from client.bench.tenants import Tenants, build_tenant_workload, prefix_reuse
+from client.bench.tenants import Tenants, add_tenant_arguments, build_tenant_workload, prefix_reuse
 from client.bench.workload import WorkItem
 from deploy.local_nginx import start_nginx, start_nginx_http
 from deploy.replica_metrics import PREFIX_HITS, PREFIX_QUERIES, SUCCESS, read_counters
 from perf.served import RESULTS_DIR
 
 REPOSITORIES = {"demo": REPO_ROOT / "models" / "demo-repository", "smollm2": REPO_ROOT / "model_repository"}
-POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "nginx")  # and nginx-http, kv_aware+affinity
-NGINX_POLICIES = ("nginx", "nginx-http")
+POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin", "nginx")  # and nginx-round-robin, nginx-http, kv_aware+affinity
+NGINX_GRPC_POLICIES = {"nginx": True, "nginx-round-robin": False}  # -> consistent hash of x-session-id
+NGINX_POLICIES = (*NGINX_GRPC_POLICIES, "nginx-http")
 AFFINITY_SUFFIX = "+affinity"
 TEMPERATURE_SUFFIX = "+t"  # kv_aware+t4: the router's softmax temperature 4
 SESSION_AFFINITY_TTL_SECONDS = 300
@@ -82,8 +84,9 @@ def measure(policy: str, args, items: list[WorkItem], overrides: dict[str, str])
                 replicas.start_replica(index)
             for index in range(args.replicas):
                 replicas.wait_replica(index)
-            if policy == "nginx":
-                proxy = start_nginx(replicas.port, [ports.grpc for ports in replicas.ports], consistent_hash=True)
+            if policy in NGINX_GRPC_POLICIES:
+                proxy = start_nginx(replicas.port, [ports.grpc for ports in replicas.ports],
+                                    consistent_hash=NGINX_GRPC_POLICIES[policy])
                 url, api = proxy.url, API_TRITON
             else:
                 proxy = start_nginx_http(replicas.port, [ports.openai for ports in replicas.ports])
@@ -172,10 +175,10 @@ def kv_blocks_per_replica(tenants: Tenants, num_replicas: int, block_size: int) 
 def write_plot(results: dict[str, list[dict]], ideal: float, title: str, path) -> str:
     """TTFT p50/p99 and the fleet's hit rate per policy (medians over rounds)."""
     try:
-        import matplotlib  # noqa: PLC0415  (optional: the perf extra)
+        import matplotlib  # noqa: PLC0415 (optional: matplotlib, the perf extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (optional: matplotlib, the perf extra)
     except ImportError:
         return MISSING_MATPLOTLIB
     policies = list(results)
@@ -204,12 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--tenants", type=int, default=6)
-    parser.add_argument("--system-len", type=int, default=1024)
-    parser.add_argument("--sessions-per-tenant", type=int, default=2)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--user-len", type=int, default=48)
-    parser.add_argument("--answer-len", type=int, default=48)
+    add_tenant_arguments(parser, default_tenants=6)
     parser.add_argument("--output-len", default="16")
     parser.add_argument("--request-rate", type=float, default=2.0, help="Poisson arrivals per second")
     parser.add_argument("--num-kv-blocks", type=int, default=0,
@@ -221,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     config = engine_config_from_model_folder(str(REPOSITORIES[args.model] / "llm"))
     dtype = str(resolve_dtype(config.model.dtype, None, "cpu")).removeprefix("torch.")  # what `auto` is here
     builder = PromptBuilder(config.model.tokenizer_dir)
-    tenants = Tenants(args.tenants, args.system_len, args.sessions_per_tenant, args.turns, args.user_len,
-                      args.answer_len)
+    tenants = Tenants.from_args(args)
     items = build_tenant_workload(builder, tenants, parse_length(args.output_len), args.seed,
                                   config.model.max_model_len)
     ideal = prefix_reuse(builder, items, config.cache.block_size)

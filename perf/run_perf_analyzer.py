@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import tritonclient.grpc as grpcclient
 
 from backend.paths import REPO_ROOT
 from client.bench.prompts import PromptBuilder
@@ -89,8 +90,6 @@ def without_dynamic_batching(config: str) -> str:
 
 def tokenizer_batching(args: argparse.Namespace, out_dir: Path) -> int:
     """perf_analyzer on `tokenizer` and `tokenizer_nobatch` (see the module docstring)."""
-    import tritonclient.grpc as grpcclient  # noqa: PLC0415
-
     corpus = (REPO_ROOT / "data" / "demo_corpus.txt").read_text().split()
     data = [{"text_input": [" ".join(corpus[i * 37 % len(corpus):][:20 + i % 60])]} for i in range(200)]
     input_data = out_dir / "tokenizer_input.json"

@@ -39,8 +39,7 @@ BIND = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
 # OpenMP wait settings by name (libgomp's, which torch's wheels use); perf.cpu_contention uses them too
 OPENMP_WAITS = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin1k": {"GOMP_SPINCOUNT": "1000"},
                 "spin10k": {"GOMP_SPINCOUNT": "10000"}, "spin100k": {"GOMP_SPINCOUNT": "100000"}}
-MIXED_WORKLOAD = ["--num-requests", "64", "--input-len", "uniform:16:512", "--output-len", "uniform:16:256"]
-MIXED = [*MIXED_WORKLOAD, "--dtype", "bfloat16"]
+MIXED = ["--num-requests", "64", "--input-len", "uniform:16:512", "--output-len", "uniform:16:256", "--dtype", "bfloat16"]
 
 
 def engine_throughput(compare_args: list[str], out_dir: Path, env: dict[str, str] | None = None) -> float | None:

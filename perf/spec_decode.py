@@ -119,10 +119,10 @@ def median_run(runs: list[dict]) -> dict:
 def write_plot(rows: list, path: Path) -> str:
     """ITL p50 and output tok/s against speculation off, per workload and concurrency (bars per system)."""
     try:
-        import matplotlib  # noqa: PLC0415  (optional: the perf extra)
+        import matplotlib  # noqa: PLC0415 (optional: matplotlib, the perf extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (optional: matplotlib, the perf extra)
     except ImportError:
         return MISSING_MATPLOTLIB
     scenarios = list(dict.fromkeys(f"{w} c={c}" for w, c, *_ in rows))

@@ -25,8 +25,14 @@ import statistics
 import sys
 import time
 
+from transformers import AutoConfig
+
+from backend.engine.tokenizer import load_tokenizer
+from backend.protocol.structured_output import parse_structured_outputs
+from backend.structured_output.compiler import GrammarCompiler
 from client.bench.arrivals import ArrivalPattern
-from client.bench.runner import CompletedRequest, run_workload
+from client.bench.completed import CompletedRequest
+from client.bench.runner import run_workload
 from client.bench.stats import compute_metrics, percentile
 from client.bench.workload import WorkItem
 from perf.compare.histogram import model_values
@@ -72,12 +78,6 @@ def server_compile_metrics(http_metrics_url: str) -> dict:
 def local_compile_times(tokenizer_dir: str) -> dict:
     """First and cached compile of every schema, in this process (the same GrammarCompiler the engine
     uses, on the model's vocabulary: ``tokenizer_dir`` is the model's folder)."""
-    from transformers import AutoConfig
-
-    from backend.engine.tokenizer import load_tokenizer
-    from backend.protocol.structured_output import parse_structured_outputs
-    from backend.structured_output.compiler import GrammarCompiler
-
     tokenizer = load_tokenizer(tokenizer_dir)
     compiler = GrammarCompiler(tokenizer, AutoConfig.from_pretrained(tokenizer_dir).vocab_size, [tokenizer.eos_token_id])
     compiler.wait_started(120)  # compile times, not the worker's start

@@ -24,6 +24,9 @@ import tempfile
 import time
 from unittest import mock
 
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from backend.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from backend.engine.llm_engine import LLMEngine
 from backend.models.demo_model import DEFAULT_OUT as DEMO_DIR
@@ -41,9 +44,6 @@ DECODE_STEPS = 12  # measured decode steps per batch size (after the prefill ste
 
 def smol8_folder(root: str) -> str:
     """A random Llama with SmolLM2-135M's dimensions but 8 query / 2 KV heads of 64."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     folder = os.path.join(root, "smol8")
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=64, vocab_size=49152, max_position_embeddings=2048,

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jsonschema
+
 from client.batch.openai_format import (
     BatchRequest,
     LineError,
@@ -85,8 +87,6 @@ def validate_json(request: BatchRequest, text: str) -> tuple[str, str] | None:
     except json.JSONDecodeError as exc:
         return "invalid_json_output", f"the output is not JSON ({exc.msg} at position {exc.pos})"
     if request.schema is not None:
-        import jsonschema  # noqa: PLC0415
-
         try:
             jsonschema.validate(value, request.schema, format_checker=jsonschema.FormatChecker())
         except jsonschema.ValidationError as exc:

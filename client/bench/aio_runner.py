@@ -1,11 +1,13 @@
 """The load generator's users as coroutines on one event loop, each holding its own gRPC stream
 (client.stream_aio): what ``run_workload`` does with a thread and a threaded client per user, for a
-fraction of the client's CPU on the cores it shares with the server.
+fraction of the client's CPU on the cores it shares with the server (``run_workload``'s
+``api=API_TRITON_AIO`` runs here).
 
-The same arrival patterns and records as client.bench.runner: closed loop (concurrency N, each
-user takes the next request when its previous one ends) or open loop (a dispatcher releases
-requests at their offsets to up to ``max_concurrency`` users; a request sent late because every
-user is busy is timed from when it was sent). Times are taken on the loop as each response is read.
+The same arrival patterns (client.bench.arrivals.Schedule) and records (client.bench.completed) as client.bench.runner:
+closed loop (concurrency N, each user takes the next request when its previous one ends) or open
+loop (a dispatcher releases requests at their offsets to up to ``max_concurrency`` users; a request
+sent late because every user is busy is timed from when it was sent). Times are taken on the loop
+as each response is read.
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from client.bench.arrivals import ArrivalPattern, num_users, send_offsets
-from client.bench.progress import Progress
-from client.bench.runner import (
+from client.bench.arrivals import Schedule
+from client.bench.completed import (
     CompletedRequest,
     completed_request,
     failed_request,
     token_counter,
     triton_inputs,
 )
+from client.bench.progress import Progress
 from client.bench.workload import WorkItem
 from client.stream_aio import AioStreamingClient
 
@@ -55,26 +57,15 @@ class _AioUser:
                 pass
 
 
-def run_workload_aio(
-    url: str,
-    model: str,
-    items: Sequence[WorkItem],
-    pattern: ArrivalPattern,
-    seed: int = 0,
-    timeout_s: float = 600.0,
-    max_concurrency: int = 256,
-    progress: Progress | None = None,
-) -> tuple[list[CompletedRequest], float]:
-    """Runs every item under ``pattern`` on Triton's gRPC streams, one per user; returns results in
-    item order and the wall duration (s), as client.bench.runner.run_workload does."""
-    return asyncio.run(_run(url, model, items, pattern, seed, timeout_s, max_concurrency,
-                            progress or Progress(pattern.label, len(items), interval_s=0)))
+def run_users_aio(url: str, model: str, items: Sequence[WorkItem], schedule: Schedule, timeout_s: float,
+                  progress: Progress) -> tuple[list[CompletedRequest], float]:
+    """Runs every item as ``schedule`` releases it on Triton's gRPC streams, one per user; returns
+    results in item order and the wall duration (s): ``run_workload``'s run for API_TRITON_AIO."""
+    return asyncio.run(_run(url, model, items, schedule, timeout_s, progress))
 
 
-async def _run(url, model, items, pattern, seed, timeout_s, max_concurrency, progress):
+async def _run(url, model, items, schedule, timeout_s, progress):
     results: list[CompletedRequest | None] = [None] * len(items)
-    offsets = send_offsets(pattern, len(items), seed)
-    users_needed = num_users(pattern, offsets, len(items), max_concurrency)
     work: asyncio.Queue = asyncio.Queue()
 
     async def serve_user() -> None:
@@ -86,17 +77,10 @@ async def _run(url, model, items, pattern, seed, timeout_s, max_concurrency, pro
             await user.close()
 
     start = time.monotonic()
-    users = [asyncio.create_task(serve_user(), name=f"bench-user-{i}") for i in range(users_needed)]
-    if offsets is None:
-        for index in range(len(items)):
-            work.put_nowait(index)
-    else:
-        for index, offset in enumerate(offsets):
-            delay = start + offset - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            work.put_nowait(index)
-    for _ in users:
-        work.put_nowait(None)
+    users = [asyncio.create_task(serve_user(), name=f"bench-user-{i}") for i in range(schedule.num_users)]
+    for index, due in schedule.releases(start):
+        if (delay := due - time.monotonic()) > 0:
+            await asyncio.sleep(delay)
+        work.put_nowait(index)
     await asyncio.gather(*users)
     return [r for r in results if r is not None], time.monotonic() - start

@@ -10,6 +10,7 @@ Open-loop schedules are offsets in seconds from the run's start, computed up fro
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,11 +67,30 @@ def send_offsets(pattern: ArrivalPattern, num_requests: int, seed: int) -> list[
     raise ValueError(f"unknown arrival kind {pattern.kind!r}")
 
 
-def num_users(pattern: ArrivalPattern, offsets: list[float] | None, num_requests: int, max_concurrency: int) -> int:
-    """How many simulated users a run needs: the closed loop's concurrency, or for an open loop
-    (``offsets``) up to ``max_concurrency``; never more than the requests, at least one."""
-    wanted = int(pattern.value) if offsets is None else max_concurrency
-    return max(1, min(wanted, num_requests))
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A load generator's run of ``pattern``: its simulated users and when each request is due."""
+
+    offsets: list[float] | None  # send_offsets; None: closed loop
+    num_requests: int
+    num_users: int
+
+    @classmethod
+    def plan(cls, pattern: ArrivalPattern, num_requests: int, seed: int, max_concurrency: int) -> Schedule:
+        """Users: the closed loop's concurrency, or for an open loop up to ``max_concurrency``; never
+        more than the requests, at least one."""
+        offsets = send_offsets(pattern, num_requests, seed)
+        wanted = int(pattern.value) if offsets is None else max_concurrency
+        return cls(offsets, num_requests, max(1, min(wanted, num_requests)))
+
+    def releases(self, start: float) -> Iterator[tuple[int | None, float]]:
+        """What a dispatcher hands its users, in order, each with the time it is due (``start``:
+        the run's start): every request's index (all due at once in a closed loop), then one None
+        per user, the sign to stop."""
+        for index in range(self.num_requests):
+            yield index, start if self.offsets is None else start + self.offsets[index]
+        for _ in range(self.num_users):
+            yield None, start
 
 
 def parse_sweep(values: str, kind: str, burst_interval_s: float = 0.0) -> list[ArrivalPattern]:

@@ -17,20 +17,15 @@ import argparse
 import sys
 
 from client.bench.arrivals import ArrivalPattern, parse_sweep
+from client.bench.completed import CompletedRequest, count_length_mismatches
 from client.bench.lengths import parse_length
 from client.bench.metadata import git_state, machine_info, now_iso, server_model_config
 from client.bench.progress import Progress
 from client.bench.prompts import PromptBuilder, PromptError
 from client.bench.report import write_json, write_markdown, write_plots
-from client.bench.runner import (
-    API_OPENAI,
-    API_TRITON,
-    CompletedRequest,
-    count_length_mismatches,
-    run_workload,
-)
+from client.bench.runner import API_OPENAI, API_TRITON, run_workload
 from client.bench.stats import SloTargets, compute_metrics
-from client.bench.tenants import Tenants, build_tenant_workload, prefix_reuse
+from client.bench.tenants import Tenants, add_tenant_arguments, build_tenant_workload, prefix_reuse
 from client.bench.workload import RUN_SEED_STRIDE, SharedPrefix, WorkItem, build_workload
 
 
@@ -57,14 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", default="64", help="output tokens, same forms (default: %(default)s)")
     parser.add_argument("--num-prefixes", type=int, default=0, help="shared system prompts (0: none)")
     parser.add_argument("--prefix-len", type=int, default=0, help="tokens of each shared system prompt")
-    parser.add_argument("--tenants", type=int, default=0,
-                        help="multi-tenant sessions (client/bench/tenants.py): this many tenants, each with its own "
-                             "--system-len system prompt and growing multi-turn sessions; sets the request count")
-    parser.add_argument("--system-len", type=int, default=1024, help="--tenants: tokens of each system prompt")
-    parser.add_argument("--sessions-per-tenant", type=int, default=2, help="--tenants: sessions of each tenant")
-    parser.add_argument("--turns", type=int, default=3, help="--tenants: requests per session")
-    parser.add_argument("--user-len", type=int, default=48, help="--tenants: tokens of each user message")
-    parser.add_argument("--answer-len", type=int, default=48, help="--tenants: tokens of each answer kept in the history")
+    add_tenant_arguments(parser)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="clip prompt + output to this (default: the server's max_model_len parameter)")
     parser.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts and arrivals (default: %(default)s)")
@@ -133,8 +121,7 @@ class Bench:
             raise BenchError("--prefix-len must exceed the tokenizer's special tokens")
         self.slo = SloTargets(None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
                               None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000)
-        self.tenants = (Tenants(args.tenants, args.system_len, args.sessions_per_tenant, args.turns, args.user_len,
-                                args.answer_len) if args.tenants > 0 else None)
+        self.tenants = Tenants.from_args(args) if args.tenants > 0 else None
         self.runs: list[dict] = []
 
     def workload(self, run_index: int, count: int) -> list[WorkItem]:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tritonclient.grpc as grpcclient
+
 # The checkout this client runs from (client/ and data/ ship in one repository): its commit is
 # what a report records, and data/ holds the default corpus.
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -42,7 +44,7 @@ def runtime_settings() -> dict:
     environment set), so every benchmark result records them."""
     settings = {name: os.environ[name] for name in RUNTIME_ENVIRONMENT if name in os.environ}
     try:
-        import torch  # noqa: PLC0415 (the client alone does not need torch)
+        import torch  # noqa: PLC0415 (process: client.bench's runners import this module through workload and prompts; torch loads only in a process that writes a result, when it writes it)
 
         settings["torch_threads"] = torch.get_num_threads()
     except ImportError:
@@ -66,8 +68,6 @@ def machine_info() -> dict:
 def server_model_config(url: str, model: str) -> dict:
     """The served model's config (parameters, batching) via gRPC; {'error': ...} when unavailable."""
     try:
-        import tritonclient.grpc as grpcclient  # noqa: PLC0415
-
         client = grpcclient.InferenceServerClient(url=url)
         try:
             config = client.get_model_config(model, as_json=True).get("config", {})

@@ -36,7 +36,7 @@ class PromptBuilder:
             raise PromptError(f"{tokenizer_file} not found (build the demo model with `make setup`)")
         # AutoTokenizer's tokenizer, whose ids the server's loader gives exactly (backend/engine/tokenizer.py,
         # tests/unit/test_tokenizer_loader.py), through its Rust tokenizer's API.
-        from transformers import AutoTokenizer  # noqa: PLC0415 (torch: only where prompts are built)
+        from transformers import AutoTokenizer  # noqa: PLC0415 (process: client.bench's runners import this module through workload; transformers, and torch with it, load only in a process that builds prompts)
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)).backend_tokenizer
         self.tokenizer_dir = str(tokenizer_dir)

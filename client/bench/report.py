@@ -67,10 +67,10 @@ def write_markdown(document: dict, path: str | Path) -> None:
 def write_plots(document: dict, path: str | Path) -> str:
     """Latency (p50 and p99) against output-token throughput, one point per run; returns a message."""
     try:
-        import matplotlib  # noqa: PLC0415  (optional: the perf extra)
+        import matplotlib  # noqa: PLC0415 (optional: matplotlib, the perf extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (optional: matplotlib, the perf extra)
     except ImportError:
         return MISSING_MATPLOTLIB
     runs = document["runs"]
@@ -99,7 +99,7 @@ def write_plots(document: dict, path: str | Path) -> str:
 
 def save_figure(figure, path) -> str:
     """Lays out, writes (creating the folder) and closes a matplotlib figure; says where."""
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional: matplotlib, the perf extra)
 
     figure.tight_layout()
     path = Path(path)

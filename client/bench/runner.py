@@ -21,80 +21,26 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from client.bench.arrivals import ArrivalPattern, num_users, send_offsets
+from client.bench.aio_runner import run_users_aio
+from client.bench.arrivals import ArrivalPattern, Schedule
+from client.bench.completed import (
+    CompletedRequest,
+    completed_request,
+    failed_request,
+    token_counter,
+    triton_inputs,
+)
 from client.bench.progress import Progress
-from client.bench.stats import RequestRecord
 from client.bench.workload import WorkItem
 from client.openai_stream import OpenAIStreamingClient
 from client.stream import SharedStream, StreamingClient
 from client.triton_http_stream import TritonHTTPStreamingClient
 
-
-@dataclass(frozen=True, slots=True)
-class CompletedRequest:
-    """A request's timing record plus what the server said about it."""
-
-    record: RequestRecord
-    finish_reason: str
-    expected_output_tokens: int
-    expected_input_tokens: int
-    text: str = ""
-
-
-def count_length_mismatches(completed: Sequence[CompletedRequest]) -> int:
-    """Successful requests whose input or output token count differs from what the workload asked for."""
-    return sum(1 for c in completed if not c.record.error and (
-        c.record.num_output_tokens != c.expected_output_tokens or c.record.num_input_tokens != c.expected_input_tokens))
-
-
 API_TRITON = "triton"  # Triton gRPC streaming (client.stream), the `llm` model's tensors
 API_OPENAI = "openai"  # OpenAI-compatible /v1/completions over HTTP (client.openai_stream): vLLM and peers
 API_TRITON_HTTP = "triton-http"  # Triton's HTTP generate_stream (client.triton_http_stream), the `llm` model's inputs
-
-
-def triton_inputs(item: WorkItem) -> dict:
-    """The `llm` inputs a work item is sent with: forced length, or the item's own inputs."""
-    return {"max_tokens": item.max_tokens, "stream": True,
-            **({"ignore_eos": True} if item.inputs is None else item.inputs)}
-
-
-def token_counter(progress: Progress):
-    """A request's on_response callback: adds the tokens each response brought to ``progress``."""
-    seen_tokens = 0
-
-    def on_response(_rid, result) -> None:
-        nonlocal seen_tokens
-        count = len(result.token_ids) or (result.num_output_tokens or 0)  # or vllm_backend's counts
-        progress.add_tokens(count - seen_tokens)
-        seen_tokens = count
-
-    return on_response
-
-
-def failed_request(item: WorkItem, start: float, exc: Exception, progress: Progress) -> CompletedRequest:
-    """A request that raised before it could complete (no stream, timeout): an error record."""
-    record = RequestRecord(start, time.monotonic(), None, (), 0, item.num_input_tokens,
-                           error=f"{type(exc).__name__}: {exc}")
-    progress.finish(failed=True)
-    return CompletedRequest(record, "", item.max_tokens, item.num_input_tokens)
-
-
-def completed_request(item: WorkItem, result, progress: Progress) -> CompletedRequest:
-    """The record of a request that got its final response (``result``: a client's StreamResult)."""
-    error = result.error
-    if error is None and result.finish_reason == "abort":
-        error = "request aborted by the server"
-    num_output = result.num_output_tokens if result.num_output_tokens is not None else len(result.token_ids)
-    num_input = result.num_input_tokens if result.num_input_tokens is not None else item.num_input_tokens
-    record = RequestRecord(
-        start_time=result.start_time, end_time=result.end_time, first_token_time=result.first_token_time,
-        token_times=tuple(result.token_times), num_output_tokens=num_output, num_input_tokens=num_input,
-        error=error,
-    )
-    progress.finish(failed=error is not None)
-    return CompletedRequest(record, result.finish_reason, item.max_tokens, item.num_input_tokens, result.text)
+API_TRITON_AIO = "triton-aio"  # API_TRITON with each user a coroutine on one event loop (client.stream_aio)
 
 
 class SimulatedUser:
@@ -190,11 +136,15 @@ def run_workload(
     the wall duration (s). ``shared_stream`` (Triton only): every user's requests on one gRPC stream
     (client.stream.SharedStream) instead of a stream per user: the same requests, a fraction of the
     client's CPU, which shares the machine with the server here. ``headers``: each request's
-    ``headers(item)``, as the gRPC metadata of a fresh stream (Triton) or HTTP headers (OpenAI)."""
+    ``headers(item)``, as the gRPC metadata of a fresh stream (Triton) or HTTP headers (OpenAI).
+    ``API_TRITON_AIO``: a gRPC stream per user, the users coroutines (client.bench.aio_runner)."""
     progress = progress or Progress(pattern.label, len(items), interval_s=0)
+    schedule = Schedule.plan(pattern, len(items), seed, max_concurrency)
+    if api == API_TRITON_AIO:
+        if shared_stream or headers is not None:
+            raise ValueError(f"api {API_TRITON_AIO!r}: a stream per user, no shared stream or headers")
+        return run_users_aio(url, model, items, schedule, timeout_s, progress)
     results: list[CompletedRequest | None] = [None] * len(items)
-    offsets = send_offsets(pattern, len(items), seed)
-    users_needed = num_users(pattern, offsets, len(items), max_concurrency)
     work: queue.SimpleQueue = queue.SimpleQueue()
     shared = SharedStream(url, model) if shared_stream and api == API_TRITON and headers is None else None
 
@@ -210,20 +160,14 @@ def run_workload(
             user.close()
 
     start = time.monotonic()
-    users = [threading.Thread(target=serve_user, name=f"bench-user-{i}", daemon=True) for i in range(users_needed)]
+    users = [threading.Thread(target=serve_user, name=f"bench-user-{i}", daemon=True)
+             for i in range(schedule.num_users)]
     for thread in users:
         thread.start()
-    if offsets is None:
-        for index in range(len(items)):
-            work.put(index)
-    else:
-        for index, offset in enumerate(offsets):
-            delay = start + offset - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            work.put(index)
-    for _ in users:
-        work.put(None)
+    for index, due in schedule.releases(start):
+        if (delay := due - time.monotonic()) > 0:
+            time.sleep(delay)
+        work.put(index)
     for thread in users:
         while thread.is_alive():
             thread.join(timeout=0.5)  # short joins keep Ctrl-C responsive

@@ -17,6 +17,7 @@ requests in this order.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,10 +40,28 @@ class Tenants:
     def num_requests(self) -> int:
         return self.num_tenants * self.sessions_per_tenant * self.turns
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Tenants:
+        """The tenants that ``add_tenant_arguments``'s options ask for."""
+        return cls(args.tenants, args.system_len, args.sessions_per_tenant, args.turns, args.user_len,
+                   args.answer_len)
+
     def to_dict(self) -> dict:
         return {"num_tenants": self.num_tenants, "system_len": self.system_len,
                 "sessions_per_tenant": self.sessions_per_tenant, "turns": self.turns,
                 "user_len": self.user_len, "answer_len": self.answer_len}
+
+
+def add_tenant_arguments(parser: argparse.ArgumentParser, default_tenants: int = 0) -> None:
+    """--tenants and the shape of their sessions (``Tenants.from_args`` reads them)."""
+    parser.add_argument("--tenants", type=int, default=default_tenants,
+                        help="multi-tenant sessions (client/bench/tenants.py): this many tenants, each with its own "
+                             "--system-len system prompt and growing multi-turn sessions; sets the request count")
+    parser.add_argument("--system-len", type=int, default=1024, help="--tenants: tokens of each system prompt")
+    parser.add_argument("--sessions-per-tenant", type=int, default=2, help="--tenants: sessions of each tenant")
+    parser.add_argument("--turns", type=int, default=3, help="--tenants: requests per session")
+    parser.add_argument("--user-len", type=int, default=48, help="--tenants: tokens of each user message")
+    parser.add_argument("--answer-len", type=int, default=48, help="--tenants: tokens of each answer kept in the history")
 
 
 def build_tenant_workload(builder: PromptBuilder, tenants: Tenants, output_lengths: LengthDistribution, seed: int,

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from client.bench.aio_runner import run_workload_aio
 from client.bench.arrivals import ArrivalPattern
-from client.bench.runner import API_TRITON, API_TRITON_HTTP, CompletedRequest, run_workload
+from client.bench.completed import CompletedRequest
+from client.bench.runner import API_TRITON, API_TRITON_AIO, API_TRITON_HTTP, run_workload
 from client.bench.workload import WorkItem
 
-TRITON_CLIENTS = ("shared-stream", "stream-per-user", "aio-stream-per-user", "http-stream-per-user")
+# --triton-client name -> (run_workload's api, shared_stream)
+TRITON_CLIENTS = {
+    "shared-stream": (API_TRITON, True),
+    "stream-per-user": (API_TRITON, False),
+    "aio-stream-per-user": (API_TRITON_AIO, False),
+    "http-stream-per-user": (API_TRITON_HTTP, False),
+}
 
 
 def client_url(server, client: str) -> str:
@@ -29,11 +35,7 @@ def run_triton_workload(url: str, model: str, items: Sequence[WorkItem], pattern
                         **options) -> tuple[list[CompletedRequest], float]:
     """``run_workload`` on Triton with the streams ``client`` names (``url``: ``client_url``; ``options``: seed,
     timeout_s, max_concurrency, progress)."""
-    if client == "aio-stream-per-user":
-        return run_workload_aio(url, model, items, pattern, **options)
-    if client == "http-stream-per-user":
-        return run_workload(url, model, items, pattern, api=API_TRITON_HTTP, **options)
     if client not in TRITON_CLIENTS:
         raise ValueError(f"triton client: expected one of {', '.join(TRITON_CLIENTS)}, got {client!r}")
-    return run_workload(url, model, items, pattern, api=API_TRITON, shared_stream=client == "shared-stream",
-                        **options)
+    api, shared_stream = TRITON_CLIENTS[client]
+    return run_workload(url, model, items, pattern, api=api, shared_stream=shared_stream, **options)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from openai_front.errors import ApiError
@@ -15,20 +15,9 @@ from openai_front.orphan_watch import OrphanWatch
 from openai_front.protocol import GenerationRequest, parse_chat, parse_completion
 from openai_front.render import without_router_fields
 from openai_front.responses import Choice, ChunkWriter, full_response, new_id
+from openai_front.routes import completions_routes
 from openai_front.state import FrontState, bridge_of, client_of, front_of, with_chat_param
 from openai_front.triton_bridge import Piece, TritonBridge
-
-router = APIRouter()
-
-
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request):
-    return await generate(request, "chat", True)
-
-
-@router.post("/v1/completions")
-async def completions(request: Request):
-    return await generate(request, "completions", False)
 
 
 def generations(bridge: TritonBridge, parsed: GenerationRequest, request_id: str) -> list[AsyncIterator[Piece]]:
@@ -132,3 +121,6 @@ async def stream(front, parsed, request_id, generation, first, endpoint, arrived
     yield writer.done()
     front.metrics.requests.labels(endpoint, status).inc()
     front.metrics.latency.labels(endpoint).observe(time.monotonic() - arrived)
+
+
+router = completions_routes(generate)

@@ -6,26 +6,15 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from openai_front.errors import ApiError
 from openai_front.protocol import parse_chat, parse_completion
 from openai_front.render import completion_request_ids, generate_request, without_router_fields
 from openai_front.responses import new_id
+from openai_front.routes import completions_routes
 from openai_front.state import bridge_of, front_of, with_chat_param
-
-router = APIRouter()
-
-
-@router.post("/v1/chat/completions/render")
-async def chat_completions_render(request: Request):
-    return await render(request, "chat_render", True)
-
-
-@router.post("/v1/completions/render")
-async def completions_render(request: Request):
-    return await render(request, "completions_render", False)
 
 
 async def render(request: Request, endpoint: str, chat: bool):
@@ -46,3 +35,6 @@ async def render(request: Request, endpoint: str, chat: bool):
         return front.error_response(endpoint, with_chat_param(error, chat))
     front.metrics.requests.labels(endpoint, "200").inc()
     return JSONResponse(answers[0] if chat else answers)
+
+
+router = completions_routes(render, "/render")

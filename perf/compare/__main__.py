@@ -54,18 +54,28 @@ import sys
 import time
 from pathlib import Path
 
+from backend.config import engine_config_from_model_folder
 from backend.paths import REPO_ROOT
 from client.bench.arrivals import ArrivalPattern, parse_sweep
+from client.bench.completed import count_length_mismatches
 from client.bench.lengths import parse_length
 from client.bench.metadata import git_state, machine_info, now_iso
 from client.bench.progress import Progress
 from client.bench.prompts import PromptBuilder
-from client.bench.runner import API_OPENAI, count_length_mismatches, run_workload
+from client.bench.runner import API_OPENAI, run_workload
 from client.bench.stats import compute_metrics
 from client.bench.triton_clients import TRITON_CLIENTS, client_url, run_triton_workload
 from client.bench.workload import RUN_SEED_STRIDE, build_workload, token_requests
 from perf.compare.cpu_meter import CpuMeter
+from perf.compare.engine_in_process import run_engine_in_process
+from perf.compare.histogram import histogram_median, scrape_histogram
 from perf.compare.report import SystemResult, markdown_report, medians_report, write_plot
+from perf.compare.transformers_continuous import run_transformers_continuous
+from perf.compare.transformers_static import run_static
+from perf.compare.vllm_backend import RESULT_NAME, run_vllm_backend
+from perf.compare.vllm_server import SERVED_MODEL_NAME, start_vllm, vllm_version
+from perf.idle_cpu import wait_until_quiet
+from perf.served import tritonserver
 
 DEFAULT_SYSTEMS = ("triton", "triton-thread", "engine", "engine-no-fused-ops", "engine-torch-attention", "vllm",
                    "hf-continuous", "hf-static")
@@ -114,8 +124,6 @@ SYSTEM_CLIENTS = {"triton-aio": "aio-stream-per-user", "triton-http": "http-stre
 
 def settle(pgid: int) -> None:
     """Waits, after a served system's warm-up, until its processes are quiet (perf.idle_cpu)."""
-    from perf.idle_cpu import wait_until_quiet
-
     waited = wait_until_quiet(pgid)
     print(f"  server quiet after {waited:.1f} s", flush=True)
 
@@ -124,9 +132,6 @@ def run_triton(args, system: str, runs, warmup, load_before: float) -> list:
     """One of our models in tritonserver, every (pattern, items) of ``runs`` on the same server:
     per run (completed, duration, CpuMeter, engine-core IPC summary or None, load average at its
     start; the first run's is ``load_before``, taken before the server started)."""
-    from perf.compare.histogram import histogram_median, scrape_histogram
-    from perf.served import tritonserver
-
     model, extra, edit, _ = TRITON_SYSTEMS[system]
     # The server must load the same engine settings as the in-process run: always the dtype, since
     # config.pbtxt's `auto` is bfloat16 on CPU (before this, --dtype float32 served bfloat16).
@@ -193,8 +198,6 @@ class CompareSession:
     what each system adds to the document (``extra``)."""
 
     def __init__(self, args, patterns: list[ArrivalPattern]):
-        from backend.config import engine_config_from_model_folder
-
         self.args, self.patterns = args, patterns
         self.model_folder = str(Path(args.model_repository) / args.model)
         self.engine_config = engine_config_from_model_folder(self.model_folder, dtype=args.dtype)
@@ -257,16 +260,12 @@ class CompareSession:
         elif system == "triton-vllm-backend":
             self.run_vllm_backend(system, load_before)
         elif system == "hf-continuous":
-            from perf.compare.transformers_continuous import run_transformers_continuous
-
             done = run_transformers_continuous(self.model_dir, self.token_runs[0][1],
                                                progress_interval_s=self.args.progress_interval)
             self.extra["hf-continuous"] = done.get("config", {})
             self.note(SystemResult.offline("transformers continuous batching (ContinuousBatchingManager)", done,
                                            self.offline.label, load=(load_before, os.getloadavg()[0])))
         elif system == "hf-static":
-            from perf.compare.transformers_static import run_static
-
             done = run_static(self.model_dir, self.token_runs[0][1], self.args.static_batch_size, dtype=self.args.dtype)
             self.note(SystemResult.offline(f"transformers static batching (batch {self.args.static_batch_size})", done,
                                            self.offline.label, load=(load_before, os.getloadavg()[0])))
@@ -280,8 +279,6 @@ class CompareSession:
             self.note(self.served_result(TRITON_SYSTEMS[system][3], at, completed, duration, started_load, cpu))
 
     def run_engine(self, system: str, load_before: float) -> None:
-        from perf.compare.engine_in_process import run_engine_in_process
-
         overrides = {"dtype": self.args.dtype}
         name = "our engine in-process"
         if system == "engine-torch-attention":  # the torch path: no CPU kernel at all
@@ -302,15 +299,11 @@ class CompareSession:
             load_before = os.getloadavg()[0]
 
     def run_vllm(self) -> None:
-        from perf.compare.vllm_server import vllm_version
-
         self.extra["vllm"] = {"versions": vllm_version(), "setups": {}}
         for setup in [s.strip() for s in self.args.vllm_setups.split(",") if s.strip()]:
             self.run_vllm_setup(setup)
 
     def run_vllm_setup(self, setup: str) -> None:
-        from perf.compare.vllm_server import SERVED_MODEL_NAME, start_vllm
-
         args, scheduler = self.args, self.engine_config.scheduler
         load_before = os.getloadavg()[0]
         print(f"starting vLLM ({setup})...", flush=True)
@@ -337,8 +330,6 @@ class CompareSession:
                                          started_load, cpu))
 
     def run_vllm_backend(self, system: str, load_before: float) -> None:
-        from perf.compare.vllm_backend import RESULT_NAME, run_vllm_backend
-
         scheduler = self.engine_config.scheduler
         measured, self.extra[system] = run_vllm_backend(self.args, self.runs, self.warmup, load_before, self.model_dir,
                                                         self.max_model_len, scheduler.max_num_seqs,

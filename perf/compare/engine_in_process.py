@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from backend.config import engine_config_from_model_folder
+from backend.engine.llm_engine import LLMEngine
 from client.bench.arrivals import ArrivalPattern
 from client.bench.progress import Progress
 from client.bench.stats import RequestRecord
+from perf import engine_driver
 
 
 def run_engine_in_process(
@@ -32,10 +35,6 @@ def run_engine_in_process(
     the last token, and a summary of the engine (steps, preemptions, CPU seconds of this process
     over the timed run, config, and the times its CPU thread governor cut the threads).
     """
-    from backend.config import engine_config_from_model_folder
-    from backend.engine.llm_engine import LLMEngine
-    from perf import engine_driver
-
     config = engine_config_from_model_folder(model_folder, **(overrides or {}))
     engine = LLMEngine(config)
     engine_driver.warm_up(engine, requests[0][0][:8])

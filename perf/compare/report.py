@@ -7,6 +7,7 @@ observe them (offline transformers runs see only when a batch or request ended).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -208,10 +209,10 @@ PLOT_INCHES_PER_BAR = 0.55
 def write_plot(results: list[SystemResult], path: str | Path) -> str:
     """Output tok/s per system (bars) with TTFT p50 where known; returns a message."""
     try:
-        import matplotlib  # noqa: PLC0415  (optional: the perf extra)
+        import matplotlib  # noqa: PLC0415 (optional: matplotlib, the perf extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (optional: matplotlib, the perf extra)
     except ImportError:
         return MISSING_MATPLOTLIB
     if not results:
@@ -244,8 +245,6 @@ def write_plot(results: list[SystemResult], path: str | Path) -> str:
 def medians_report(results: list[SystemResult]) -> str:
     """Per system (runs named ``... [run k]``) and arrival, the median of its runs and the ratios of
     medians against our engine's at the same arrival."""
-    import statistics  # noqa: PLC0415
-
     sweep = len({r.arrival for r in results if not r.name.startswith("transformers")}) > 1
     by_system: dict[tuple[str, str], list[SystemResult]] = {}
     for r in results:

@@ -63,7 +63,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
 from backend.models.shape import ceil_div
+from client.bench.prompts import PromptBuilder
+from perf.engine_driver import token_workload
 
 PAGE_SIZE = 32  # tokens per KV page (the "block size")
 MIN_BLOCKS, MAX_BLOCKS = 64, 2048  # clamp for num_blocks: 2048 pages of 32 tokens = 512 MiB of fp32 KV for this model
@@ -81,9 +87,6 @@ def _num_blocks_for(requests: list[tuple[list[int], int]]) -> int:
 
 
 def _load_model(model_dir: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
     )
@@ -97,9 +100,6 @@ def _run(
     label: str = "transformers-cb",
 ) -> tuple[dict, list[list[int]]]:
     """Runs ``requests`` through a fresh continuous-batching manager on ``model``; returns (result dict, tokens)."""
-    import torch
-    import transformers
-
     if not requests:
         raise ValueError("no requests")
     for index, (prompt, num_out) in enumerate(requests):
@@ -134,8 +134,6 @@ def _run(
 
 def _configs(model, requests: list[tuple[list[int], int]]):
     """(GenerationConfig, ContinuousBatchingConfig): greedy, forced lengths, our engine's batch limits."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
     generation_config = GenerationConfig(
         do_sample=False, max_new_tokens=max(n for _, n in requests), eos_token_id=NO_EOS,
         pad_token_id=model.config.pad_token_id,
@@ -234,8 +232,6 @@ def _next_result(manager, timeout_s: float):
 
 def _describe(model, manager, transformers_version: str) -> dict:
     """The settings actually in force (resolved by the manager, after its cache exists): JSON-friendly."""
-    import torch
-
     cb = manager.continuous_batching_config
     cache = manager.batch_processor.cache if manager.batch_processor is not None else None
     return {
@@ -282,9 +278,6 @@ def run_transformers_continuous(
 
 def check_greedy_parity(model_dir: str, requests: list[tuple[list[int], int]]) -> list[bool]:
     """Per request: do the continuous-batching tokens equal ``model.generate(do_sample=False)`` run one at a time?"""
-    import torch
-    from transformers import GenerationConfig
-
     model = _load_model(model_dir)
     _, cb_tokens = _run(model, requests, progress_interval_s=60.0, label="parity-cb")
     matches = []
@@ -306,9 +299,6 @@ def check_greedy_parity(model_dir: str, requests: list[tuple[list[int], int]]) -
 
 
 def _demo_requests(folder: str, num: int, input_len: str, output_len: str, seed: int):
-    from client.bench.prompts import PromptBuilder
-    from perf.engine_driver import token_workload
-
     return token_workload(PromptBuilder(folder), num, input_len, output_len, seed)
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import time
 
+import torch
+from transformers import AutoModelForCausalLM
+
 
 def run_static(model_dir: str, requests: list[tuple[list[int], int]], batch_size: int,
                dtype: str = "float32") -> dict:
     """``requests``: (prompt ids with BOS, forced output tokens) each, all offered at t=0.
     Returns {"output_tokens", "seconds"} (model load excluded)."""
-    import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     useful = 0
     start = time.perf_counter()

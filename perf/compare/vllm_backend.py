@@ -48,12 +48,24 @@ own (the client sums the per-response counts: vllm_backend sends no token ids).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import sys
 from pathlib import Path
 
+import numpy
+
 from backend.paths import REPO_ROOT
+from backend.server.launcher import LauncherError, start_server
+from backend.triton.helpers import set_utf8_locale
+from client.bench.arrivals import ArrivalPattern
+from client.bench.progress import Progress
+from client.bench.runner import run_workload
+from client.bench.triton_clients import run_triton_workload
+from perf.compare import vllm_server
+from perf.compare.cpu_meter import CpuMeter
+from perf.idle_cpu import wait_until_quiet
 
 VLLM_BACKEND_REPO = "triton-inference-server/vllm_backend"
 # main on 2026-01-09, "fix: Custom build_async_engine_client_from_engine_args (#118)"; the Makefile's
@@ -218,17 +230,9 @@ def _use_vllm_site_packages():
         sys.path.insert(0, NUMPY_OVERLAY)
 
 
-def _utf8_locale():
-    """The stub's embedded Python decodes files as ASCII whatever LANG says (our models set the same
-    locale, backend/triton/helpers.py); vLLM's import then fails in torch._inductor's template
-    loader (UnicodeDecodeError: 'ascii' codec can't decode byte 0xe2, measured)."""
-    for name in ("C.UTF-8", "en_US.UTF-8"):
-        try:
-            locale.setlocale(locale.LC_CTYPE, name)
-            return
-        except locale.Error:
-            continue
-
+# Our models' own (backend/triton/helpers.py, copied in): without it vLLM's import fails in
+# torch._inductor's template loader (UnicodeDecodeError: 'ascii' codec can't decode byte 0xe2, measured).
+{set_utf8_locale}
 
 def _bind_utils_package():
     """model.py imports ``utils.metrics``, ``utils.request``, ``utils.vllm_backend_utils`` (a folder
@@ -260,7 +264,7 @@ def _apply_shims():
 
 def _load_pinned_model():
     _use_vllm_site_packages()
-    _utf8_locale()
+    set_utf8_locale()
     _bind_utils_package()
     try:
         import vllm
@@ -293,7 +297,7 @@ def wrapper_source(source: Path, venv: Path, site: Path, sha: str = VLLM_BACKEND
     overlay = None if numpy_overlay is None else str(Path(numpy_overlay).resolve())
     return WRAPPER_TEMPLATE.format(repo=VLLM_BACKEND_REPO, sha=sha, source=str(Path(source).resolve()),
                                    venv=str(Path(venv).resolve()), site=str(Path(site).resolve()), shims=SHIMS,
-                                   overlay=overlay)
+                                   overlay=overlay, set_utf8_locale=inspect.getsource(set_utf8_locale))
 
 
 def installed_version(site: Path, distribution: str) -> str | None:
@@ -309,7 +313,6 @@ def numpy_overlay(destination: Path, site: Path) -> Path | None:
     theirs = installed_version(site, "numpy")
     if theirs is None or int(theirs.split(".")[0]) < 2:
         return None
-    import numpy  # noqa: PLC0415 (only here: the overlay's source)
 
     if int(numpy.__version__.split(".")[0]) >= 2:
         raise VllmBackendError(f"{site} has numpy {theirs} and so has this interpreter ({numpy.__version__}): the "
@@ -377,15 +380,6 @@ def run_vllm_backend(args, runs, warmup, load_before: float, model_dir: str, max
     """Like perf.compare's run_triton: every (pattern, items) of ``runs`` on one tritonserver serving
     vllm_model; per run (completed, duration, CpuMeter, None, load average at its start), and what
     the report records of the system."""
-    from backend.server.launcher import LauncherError, start_server
-    from client.bench.arrivals import ArrivalPattern
-    from client.bench.progress import Progress
-    from client.bench.runner import run_workload
-    from client.bench.triton_clients import run_triton_workload
-    from perf.compare import vllm_server
-    from perf.compare.cpu_meter import CpuMeter
-    from perf.idle_cpu import wait_until_quiet
-
     source = backend_source()
     venv = vllm_server.DEFAULT_VLLM_VENV
     try:

@@ -21,12 +21,12 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.paths import REPO_ROOT
-from backend.server.launcher import free_port, stop_process_group
+from backend.server.launcher import answers_200, free_port
+from backend.server.process_group import stop_process_group
 
 DEFAULT_VLLM_VENV = REPO_ROOT / ".peers" / "vllm"
 SERVED_MODEL_NAME = "demo"
@@ -119,12 +119,8 @@ def start_vllm(model_dir: str, setup: str = "default", dtype: str = "float32", m
         if process.poll() is not None:
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"vLLM exited with code {process.returncode} while starting; log {log_path}:\n{tail}")
-        try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return server
-        except OSError:
-            pass
+        if answers_200(f"{server.url}/health"):
+            return server
         if time.monotonic() - last_note > 15:
             last_note = time.monotonic()
             print(f"  waiting for vLLM ({setup}) to load... log {log_path}", flush=True)

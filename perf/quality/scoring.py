@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+import torch
+from transformers import AutoModelForCausalLM
+
 MAX_PERPLEXITY_CHANGE = 0.005  # relative
 MAX_ACCURACY_CHANGE = 2.0  # points
 
@@ -23,9 +26,6 @@ def perplexity(logprobs: list[float]) -> float:
 
 def reference_logprobs(model_dir: str, token_ids: list[int]) -> list[float]:
     """log P(token i + 1 | tokens 0..i) for i < len - 1, by transformers in float32 (one forward)."""
-    import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     with torch.no_grad():

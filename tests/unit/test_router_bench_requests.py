@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from client.bench.runner import CompletedRequest
+from client.bench.completed import CompletedRequest
 from client.bench.stats import RequestRecord, percentile
 from client.bench.workload import WorkItem
 from perf.router_bench import per_request, slowest, warm_ttft_p99
