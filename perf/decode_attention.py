@@ -22,6 +22,7 @@ whole prompts and for chunks after a cached prefix, one layer, both dtypes, Smol
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import statistics
 import time
@@ -126,9 +127,9 @@ def prefill(kernel, repeat: int) -> int:
             for name, backend in (("torch", TorchAttentionBackend("cpu")), ("kernel", CpuAttentionBackend(kernel))):
                 times = []
                 for i in range(repeat + 2):
-                    backend._plan = None  # a fresh plan each call, as each step makes one
+                    step = copy.copy(metadata)  # a new step's metadata: planned afresh, as each step is
                     start = time.perf_counter()
-                    out = backend.forward(query, key, value, key_cache, value_cache, metadata, head_size**-0.5)
+                    out = backend.forward(query, key, value, key_cache, value_cache, step, head_size**-0.5)
                     if i >= 2:
                         times.append((time.perf_counter() - start) * 1000)
                 results[name] = (statistics.median(times), out)
