@@ -3,7 +3,7 @@
 A body becomes a GenerationRequest: the prompts (completions) or the messages (chat), and the
 `llm` model's ``sampling_parameters`` in vLLM's names. Every problem is a 400 naming the field
 (backend of the refusal: openai_front/errors.py): a wrong type, a value out of range, a field that
-would change generation and that we do not implement (``tools``, ``logit_bias``, ``suffix``,
+would change generation and that we do not implement (``tools``, ``suffix``,
 ``best_of`` above ``n``, ...), or a field we do not know at all. Fields that change nothing here
 (``metadata``, ``store``, ...) are accepted and ignored, as OpenAI's server does; ``user`` names the
 client for per-client limits. A
@@ -42,6 +42,7 @@ MAX_STOP_STRINGS = 32
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64
 MAX_TOKEN_ID = 2**31 - 1
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound, as the `llm` model's
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +154,6 @@ def _check_fields(body: dict, known: frozenset[str]) -> None:
             raise bad_request(name, f"{name}: {reason}")
     if body.get("tool_choice") not in (None, "none"):
         raise bad_request("tool_choice", "tool_choice: tool calling is not supported")
-    if body.get("logit_bias") not in (None, {}):
-        raise bad_request("logit_bias", "logit_bias: not supported")
     modalities = body.get("modalities")
     if modalities not in (None, ["text"]):
         raise bad_request("modalities", "modalities: only [\"text\"] is supported")
@@ -212,6 +211,9 @@ def _common(body, chat: bool, limits: Limits, served_models: tuple[str, ...]) ->
     structured = _structured(body)
     if structured is not None:
         sampling["structured_outputs"] = structured
+    bias = _logit_bias(body)
+    if bias:
+        sampling["logit_bias"] = bias
     if n > 1:
         sampling["n"] = n
     transfer = body.get("kv_transfer_params")
@@ -224,6 +226,23 @@ def _common(body, chat: bool, limits: Limits, served_models: tuple[str, ...]) ->
         raise bad_request("user", f"user: expected a string of at most {MAX_USER_CHARS} characters")
     return GenerationRequest(chat, model, stream, include_usage, n, sampling=sampling, stream_options=options,
                              user=user or "")
+
+
+def _logit_bias(body: dict) -> dict[str, float] | None:
+    """OpenAI's logit_bias: token id (as a string, JSON's keys) -> a bias in [-100, 100]. Whether
+    each id is in the model's vocabulary is the `llm` model's check."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request("logit_bias", f"logit_bias: expected an object of at most {MAX_LOGIT_BIAS_ENTRIES} "
+                                        "token ids (strings) -> biases")
+    for token, value in bias.items():
+        if not (isinstance(token, str) and token.isdigit() and int(token) <= MAX_TOKEN_ID):
+            raise bad_request("logit_bias", f"logit_bias: {token!r} is not a token id")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise bad_request("logit_bias", f"logit_bias[{token}]: a bias must be a number in [-100, 100]")
+    return {token: float(value) for token, value in bias.items()}
 
 
 def chat_messages(body: dict) -> list:

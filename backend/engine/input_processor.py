@@ -86,6 +86,11 @@ class InputProcessor:
             raise EngineInputError(str(exc)) from None
         if params.lora_name is not None:
             self.resolve_lora(params.lora_name)
+        bad_bias_ids = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad_bias_ids:
+            raise EngineInputError(
+                f"logit_bias: {bad_bias_ids[0]} is not a token id of this model (ids are in [0, {self.vocab_size}))"
+            )
         bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop_ids:
             raise EngineInputError(

@@ -20,6 +20,8 @@ MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_N = 16  # parallel samples of one request
 MAX_USER_CHARS = 256  # a client identity (OpenAI's user field); longer ones are refused
 MAX_BEAM_WIDTH = 8
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound on logit_bias
+MAX_LOGIT_BIAS = 100.0  # a bias is in [-100, 100] (OpenAI's)
 EARLY_STOPPING_VALUES = (False, True, "never")  # transformers' values
 
 
@@ -58,6 +60,8 @@ class SamplingParams:
     user: str = ""  # the client that sent it (OpenAI's user): the key of per-client limits; "": the shared key
     lora_name: str | None = None  # the LoRA adapter (backend/lora), checked against the model's at the door
     kv_transfer_params: KVTransferParams | None = None  # disaggregated serving (backend/protocol/kv_transfer.py)
+    # token id -> added to its logit before anything else (OpenAI's; -100 bans it, 100 all but forces it)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raises SamplingParamsError naming the first bad field.
@@ -126,6 +130,19 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
             )
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        """At most MAX_LOGIT_BIAS_ENTRIES ids, each a non-negative integer (the vocabulary is the
+        engine's check), each bias a number in [-100, 100]."""
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError(f"logit_bias: an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids")
+        for token_id, bias in self.logit_bias.items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise SamplingParamsError(f"logit_bias: {token_id!r} is not a token id")
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or not (
+                    math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise SamplingParamsError(f"logit_bias[{token_id}]: a bias must be in [-100, 100], got {bias!r}")
 
     def _validate_beam_search(self) -> None:
         """Beam search is deterministic and scores raw log-probabilities: sampling settings,
@@ -143,7 +160,7 @@ class SamplingParams:
             if getattr(self, name) != default:
                 raise SamplingParamsError(f"{name}: does not apply to beam search (beam_width {self.beam_width})")
         for name, value in (("stop", self.stop), ("logprobs", self.logprobs), ("structured_outputs", self.structured_outputs),
-                            ("prompt_logprobs", self.prompt_logprobs is not None)):
+                            ("prompt_logprobs", self.prompt_logprobs is not None), ("logit_bias", self.logit_bias)):
             if value:
                 raise SamplingParamsError(f"{name}: not supported with beam search (beam_width {self.beam_width})")
 

@@ -7,6 +7,8 @@ Processing order for each row (the same as vLLM v1):
    is off (with ``ignore_eos`` EOS does not end the request, so masking it would only distort
    the distribution; this matches vLLM, whose stop-id set omits EOS under ``ignore_eos``).
    A row this would leave without any token (structured output allowing only the EOS) is not masked.
+   Then ``logit_bias``: each listed token's bias is added to its raw logit (OpenAI's semantics;
+   -100 all but bans a token, and a masked token stays masked).
 2. Penalties on the raw logits: repetition penalty (HF semantics, over prompt + output tokens:
    a positive logit is divided by the penalty, a non-positive one multiplied), then frequency
    and presence penalties (OpenAI semantics, over output tokens only:
@@ -130,7 +132,7 @@ class Sampler:
             want_logprobs |= sp.logprobs
             max_top = max(max_top, sp.top_logprobs if sp.logprobs else 0)
             if plain_greedy and (
-                sp.temperature != 0.0 or _has_penalties(sp) or r.num_output_tokens < sp.min_tokens
+                sp.temperature != 0.0 or _has_penalties(sp) or r.num_output_tokens < sp.min_tokens or sp.logit_bias
             ):
                 plain_greedy = False
 
@@ -141,6 +143,7 @@ class Sampler:
         # float32 copy: we mask and scale in place; the caller's tensor stays untouched.
         logits = logits.to(dtype=torch.float32, copy=True)
         self._apply_min_tokens(logits, requests)
+        self._apply_logit_bias(logits, requests)
         self._apply_penalties(logits, requests)
 
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.temperature == 0.0]
@@ -219,6 +222,24 @@ class Sampler:
             dst.copy_(src)
         else:
             dst[idx] = src.to(dst.dtype)
+
+    @staticmethod
+    def _apply_logit_bias(
+        logits: torch.Tensor,  # [num_rows, vocab_size] float32, modified in place
+        requests: list[RunnerRequest],
+    ) -> None:
+        rows: list[int] = []
+        cols: list[int] = []
+        biases: list[float] = []
+        for i, r in enumerate(requests):
+            for token_id, bias in r.sampling_params.logit_bias.items():
+                rows.append(i)
+                cols.append(token_id)
+                biases.append(bias)
+        if rows:
+            device = logits.device
+            logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                              torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
     @staticmethod
     def _apply_min_tokens(

@@ -9,7 +9,7 @@
    verification.py: exact for greedy and sampled requests); the engine appends them one by one with
    the usual stop checks and rolls the KV of rejected positions back.
 
-What may speculate: decoding requests without penalties, logprobs, a grammar, beam search or an
+What may speculate: decoding requests without penalties, logit_bias, logprobs, a grammar, beam search or an
 active min_tokens mask (each changes the distribution token by token, which the k rows would have
 to replay), with ``num_speculative_tokens`` not 0 in their sampling parameters. Proposals stop
 short of max_tokens and max_model_len, so a step never appends past either.
@@ -121,7 +121,8 @@ class Speculator:
         params = request.sampling_params
         if (not request.is_running or request.num_computed_tokens != request.num_tokens - 1
                 or params.num_speculative_tokens == 0 or request.is_beam or request.grammar is not None
-                or params.logprobs or request.num_output_tokens < params.min_tokens or params.repetition_penalty != 1.0
+                or params.logprobs or params.logit_bias or request.num_output_tokens < params.min_tokens
+                or params.repetition_penalty != 1.0
                 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
             return 0
         k = self.max_k if params.num_speculative_tokens is None else min(self.max_k, params.num_speculative_tokens)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend.protocol.kv_transfer import KVTransferParamsError, parse_kv_transfer_params
-from backend.protocol.sampling import SamplingParams
+from backend.protocol.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from backend.protocol.structured_output import (
     LEGACY_KEYS,
     StructuredOutputError,
@@ -61,7 +61,7 @@ SAMPLING_PARAMETER_KEYS = frozenset({
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs",
     "skip_special_tokens", "prompt_logprobs", "priority", "n", "beam_width", "length_penalty",
-    "early_stopping", "num_speculative_tokens", "user",
+    "early_stopping", "num_speculative_tokens", "user", "logit_bias",
 })
 # Non-sampling keys that the JSON may carry too (they override the single inputs).
 REQUEST_OPTION_KEYS = ("stream", "exclude_input_in_output")
@@ -326,66 +326,114 @@ def _parse_sampling_json(text: str, options: dict[str, object]) -> dict[str, obj
             options[key] = _stream_interval(where, value)
         elif key in FIXED_KEYS:
             _check_fixed(where, key, value)
-        elif key == "lora_name":  # vllm_backend's key; checked against the model's adapters
-            if value is not None and not isinstance(value, str):
-                raise InputError(f"{where}: expected an adapter name (a string)")
-            values["lora_name"] = value or None
         elif key == "structured_outputs" or key in LEGACY_KEYS:
             _set_constraint(values, key, value, where)
-        elif key == "kv_transfer_params":  # disaggregated serving (backend/protocol/kv_transfer.py)
-            try:
-                values[key] = parse_kv_transfer_params(value, where)
-            except KVTransferParamsError as exc:
-                raise InputError(str(exc)) from None
+        elif key in _READERS:
+            values.update(_READERS[key](where, value))
         elif key not in SAMPLING_PARAMETER_KEYS:
-            known = ", ".join(sorted([*SAMPLING_PARAMETER_KEYS, *REQUEST_OPTION_KEYS, *FIXED_KEYS, "lora_name",
-                                      "stream_interval", "structured_outputs", "kv_transfer_params", *LEGACY_KEYS]))
+            known = ", ".join(sorted({*SAMPLING_PARAMETER_KEYS, *REQUEST_OPTION_KEYS, *FIXED_KEYS, *_READERS,
+                                      "stream_interval", "structured_outputs", *LEGACY_KEYS}))
             raise InputError(f"sampling_parameters: unknown key '{key}' (known: {known})")
-        elif key == "stop":
-            if value is None:
-                value = []
-            if isinstance(value, str):
-                value = [value]
-            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-                raise InputError(f"{where}: expected a string or a list of strings")
-            values["stop"] = [s for s in value if s]
-        elif key == "stop_token_ids":
-            if not isinstance(value, list):
-                raise InputError(f"{where}: expected a list of integers")
-            values["stop_token_ids"] = [_as_int(where, v) for v in value]
-        elif key == "prompt_logprobs":
-            if value is None or value is False:
-                values["prompt_logprobs"] = None
-            else:
-                values["prompt_logprobs"] = 0 if value is True else _as_int(where, value, text_ok=True)
-        elif key == "logprobs":
-            # vLLM: an int (how many top tokens besides the chosen one; 0 = only it) or null;
-            # ours before that: a boolean.
-            if value is None or value is False:
-                values["logprobs"] = False
-            elif value is True:
-                values["logprobs"] = True
-            else:
-                values["logprobs"] = True
-                values["top_logprobs"] = _as_int(where, value, text_ok=True)
-        elif key == "user":  # the client's identity, as OpenAI's user field: per-client limits
-            if value is not None and not isinstance(value, str):
-                raise InputError(f"{where}: expected a string")
-            values["user"] = value or ""
-        elif key == "early_stopping":  # true, false or "never" (transformers' values)
-            values[key] = "never" if value == "never" else as_bool(where, value, text_ok=True)
         elif key in BOOL_KEYS:
             values[key] = as_bool(where, value, text_ok=True)
-        elif key in ("seed", "num_speculative_tokens"):
-            values[key] = None if value is None else _as_int(where, value, text_ok=True)
-        elif key == "top_k":
-            top_k = _as_int(where, value, text_ok=True)
-            values["top_k"] = 0 if top_k == -1 else top_k  # vLLM spells "off" as -1
         elif key in INT_KEYS:
             values[key] = _as_int(where, value, text_ok=True)
         else:
             values[key] = _as_float(where, value, text_ok=True)
     return values
+
+
+def _read_lora_name(where: str, value) -> dict[str, object]:
+    """vllm_backend's key; checked against the model's adapters by the engine's check."""
+    if value is not None and not isinstance(value, str):
+        raise InputError(f"{where}: expected an adapter name (a string)")
+    return {"lora_name": value or None}
+
+
+def _read_kv_transfer_params(where: str, value) -> dict[str, object]:
+    """Disaggregated serving (backend/protocol/kv_transfer.py)."""
+    try:
+        return {"kv_transfer_params": parse_kv_transfer_params(value, where)}
+    except KVTransferParamsError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _read_stop(where: str, value) -> dict[str, object]:
+    if value is None:
+        value = []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise InputError(f"{where}: expected a string or a list of strings")
+    return {"stop": [s for s in value if s]}
+
+
+def _read_stop_token_ids(where: str, value) -> dict[str, object]:
+    if not isinstance(value, list):
+        raise InputError(f"{where}: expected a list of integers")
+    return {"stop_token_ids": [_as_int(where, v) for v in value]}
+
+
+def _read_prompt_logprobs(where: str, value) -> dict[str, object]:
+    if value is None or value is False:
+        return {"prompt_logprobs": None}
+    return {"prompt_logprobs": 0 if value is True else _as_int(where, value, text_ok=True)}
+
+
+def _read_logprobs(where: str, value) -> dict[str, object]:
+    """vLLM: an int (how many top tokens besides the chosen one; 0 = only it) or null; ours before
+    that: a boolean."""
+    if value is None or value is False:
+        return {"logprobs": False}
+    if value is True:
+        return {"logprobs": True}
+    return {"logprobs": True, "top_logprobs": _as_int(where, value, text_ok=True)}
+
+
+def _read_user(where: str, value) -> dict[str, object]:
+    """The client's identity, as OpenAI's user field: the key of per-client limits."""
+    if value is not None and not isinstance(value, str):
+        raise InputError(f"{where}: expected a string")
+    return {"user": value or ""}
+
+
+def _read_early_stopping(where: str, value) -> dict[str, object]:
+    """true, false or "never" (transformers' values)."""
+    return {"early_stopping": "never" if value == "never" else as_bool(where, value, text_ok=True)}
+
+
+def _read_optional_int(key: str):
+    def read(where: str, value) -> dict[str, object]:
+        return {key: None if value is None else _as_int(where, value, text_ok=True)}
+    return read
+
+
+def _read_top_k(where: str, value) -> dict[str, object]:
+    top_k = _as_int(where, value, text_ok=True)
+    return {"top_k": 0 if top_k == -1 else top_k}  # vLLM spells "off" as -1
+
+
+def _read_logit_bias(where: str, value) -> dict[str, object]:
+    """OpenAI's and vLLM's map of token id (a JSON object's keys are strings) to a bias; the range
+    and the ids are the engine's one check."""
+    if value is None:
+        return {"logit_bias": {}}
+    if not isinstance(value, dict):
+        raise InputError(f"{where}: expected an object of token id -> bias")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InputError(f"{where}: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
+    return {"logit_bias": {_as_int(f"{where} key", token, text_ok=True): _as_float(f"{where}[{token}]", bias)
+                           for token, bias in value.items()}}
+
+
+# sampling_parameters keys whose values need more than a type's conversion.
+_READERS = {
+    "lora_name": _read_lora_name, "kv_transfer_params": _read_kv_transfer_params, "stop": _read_stop,
+    "stop_token_ids": _read_stop_token_ids, "prompt_logprobs": _read_prompt_logprobs, "logprobs": _read_logprobs,
+    "user": _read_user, "early_stopping": _read_early_stopping, "seed": _read_optional_int("seed"),
+    "num_speculative_tokens": _read_optional_int("num_speculative_tokens"), "top_k": _read_top_k,
+    "logit_bias": _read_logit_bias,
+}
 
 
 def _stream_interval(where: str, value) -> int | None:

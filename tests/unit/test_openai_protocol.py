@@ -41,7 +41,8 @@ def test_json_schema_and_guided_fields_become_structured_outputs():
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-    ({"logit_bias": {"3": 1}}, "logit_bias"), ({"best_of": 2}, "best_of"), ({"n": 9}, "n"),
+    ({"logit_bias": {"3": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"), ({"best_of": 2}, "best_of"), ({"n": 9}, "n"),
     ({"n": 0}, "n"), ({"max_tokens": 10**6}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
     ({"temperature": "x"}, "temperature"), ({"model": "other"}, "model"), ({"model": None}, "model"),
     ({"mystery": 1}, "mystery"), ({"messages": "hi"}, "messages"), ({"messages": [{"content": "x"}]}, "messages"),
@@ -84,7 +85,8 @@ def test_answers_have_openais_shapes():
     body = full_response("chatcmpl-1", True, "llm", choices, Usage(3, 4), None)
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "a"}
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     entries = [{"5": {"logprob": -0.5, "rank": 1, "decoded_token": "x"},
                 "6": {"logprob": -1.0, "rank": 2, "decoded_token": "y"}}]
     writer = ChunkWriter("chatcmpl-1", True, "llm", 2)
@@ -116,3 +118,8 @@ def test_kv_transfer_params_pass_through_and_come_back_at_the_top_of_the_answer(
     body = full_response("cmpl-1", False, "llm", [Choice(0, "x", "length")], Usage(3, 1), None, answer)
     assert body["kv_transfer_params"] == answer
     assert "kv_transfer_params" not in full_response("cmpl-1", False, "llm", [Choice(0, "x", "length")], Usage(3, 1), None)
+
+
+def test_logit_bias_goes_to_the_llm_model_as_its_sampling_parameter():
+    assert chat(logit_bias={"3": 5, "17": -100}).sampling["logit_bias"] == {"3": 5.0, "17": -100.0}
+    assert "logit_bias" not in chat(logit_bias={}).sampling

@@ -45,6 +45,9 @@ CASES = [
     ({"sampling_parameters": {"min_p": 2}}, SamplingParams(min_p=2.0), "min_p"),
     ({"sampling_parameters": {"logprobs": 30}}, SamplingParams(logprobs=True, top_logprobs=30), "logprobs"),
     ({"sampling_parameters": {"stop": ["x"] * 40}}, SamplingParams(stop=["x"] * 40), "stop"),
+    ({"sampling_parameters": {"logit_bias": {"99999999": 1}}}, SamplingParams(logit_bias={99999999: 1.0}),
+     "logit_bias"),
+    ({"sampling_parameters": {"logit_bias": {"3": 101}}}, SamplingParams(logit_bias={3: 101.0}), "logit_bias[3]"),
 ]
 
 

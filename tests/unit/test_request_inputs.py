@@ -98,6 +98,13 @@ def test_bad_inputs_name_their_field(values, field):
         ({"sampling_parameters": json.dumps({"stop_token_ids": [1, "2"]})}, "sampling_parameters.stop_token_ids"),
         ({"sampling_parameters": '{"max_tokens": 1e999}'}, "sampling_parameters.max_tokens"),
         ({"sampling_parameters": '{"temperature": NaN}'}, "sampling_parameters.temperature"),
+        ({"sampling_parameters": json.dumps({"logit_bias": [1]})}, "sampling_parameters.logit_bias: expected an object"),
+        ({"sampling_parameters": json.dumps({"logit_bias": {str(i): 1 for i in range(301)}})},
+         "sampling_parameters.logit_bias: at most 300 entries"),
+        ({"sampling_parameters": json.dumps({"logit_bias": {"one": 1}})}, "sampling_parameters.logit_bias key"),
+        ({"sampling_parameters": json.dumps({"logit_bias": {"1": "x"}})}, "sampling_parameters.logit_bias[1]"),
+        ({"sampling_parameters": json.dumps({"logit_bias": {"1": -101}})}, "logit_bias[1]: a bias must be in"),
+        ({"sampling_parameters": json.dumps({"logit_bias": {"50000": 1}})}, "logit_bias: 50000 is not a token id"),
     ],
 )
 def test_hostile_values_get_an_input_error_naming_the_field(values, message):
@@ -256,3 +263,9 @@ def test_kv_transfer_params_key_is_parsed_and_checked_against_the_role():
                           decode.check_sampling_params)
     with pytest.raises(InputError, match="this model is not a decode engine"):  # the default role: both
         parse(text_input="hi", sampling_parameters=json.dumps({"kv_transfer_params": leg}))
+
+
+def test_logit_bias_key_maps_token_ids_to_biases():
+    params = parse(text_input="x", sampling_parameters=json.dumps({"logit_bias": {"7": -100, "42": 2.5}})).sampling_params
+    assert params.logit_bias == {7: -100.0, 42: 2.5}
+    assert parse(text_input="x").sampling_params.logit_bias == {}

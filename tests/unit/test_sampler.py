@@ -327,3 +327,28 @@ def test_min_tokens_masks_eos_and_stop_token_ids() -> None:
 
 def test_empty_batch() -> None:
     assert Sampler()(torch.empty(0, VOCAB), []) == SamplerOutput(token_ids=[], logprobs=None)
+
+
+# ---------------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_bans_and_forces_tokens_for_its_own_row_only() -> None:
+    logits = random_logits(3, seed=7)
+    best = logits.argmax(dim=-1).tolist()  # [3]
+    forced = (best[1] + 1) % VOCAB
+    requests = [make_request("banned", logit_bias={best[0]: -100.0}),
+                make_request("forced", logit_bias={forced: 100.0}),
+                make_request("plain")]
+    out = Sampler()(logits, requests)
+    second_best = logits[0].clone()
+    second_best[best[0]] = -math.inf
+    assert out.token_ids == [int(second_best.argmax()), forced, best[2]]
+
+
+def test_logit_bias_shifts_a_sampled_rows_logprobs_by_the_bias() -> None:
+    logits = torch.zeros(1, VOCAB)  # [1, vocab]: uniform
+    out = Sampler()(logits, [make_request(logit_bias={5: 2.0}, logprobs=True, top_logprobs=1, seed=3,
+                                          temperature=1.0)])
+    [(top_id, top_logprob)] = out.top_logprobs[0]
+    expected = 2.0 - math.log(VOCAB - 1 + math.exp(2.0))
+    assert top_id == 5 and math.isclose(top_logprob, expected, rel_tol=1e-5)
