@@ -28,6 +28,7 @@ class Tally:
         self.choices: dict[int, Choice] = {}
         self.completion_tokens = 0
         self._prompt_tokens: dict[int, int] = {}  # per prompt (choice // n), not per sample
+        self._cached_tokens: dict[int, int] = {}  # of those, found in a cache (per prompt)
         self.kv_transfer_params: dict | None = None  # a prefill engine's answer (disaggregated serving)
 
     def add(self, index: int, piece: Piece) -> None:
@@ -36,6 +37,8 @@ class Tally:
             self.kv_transfer_params = piece.kv_transfer_params
         if piece.num_input_tokens is not None:
             self._prompt_tokens[index // self.n] = piece.num_input_tokens
+        if piece.num_cached_tokens is not None:
+            self._cached_tokens[index // self.n] = piece.num_cached_tokens
         if not self.keep_choices:
             return
         choice = self.choices.setdefault(index, Choice(index))
@@ -45,7 +48,7 @@ class Tally:
             choice.finish_reason = piece.finish_reason
 
     def usage(self) -> Usage:
-        return Usage(sum(self._prompt_tokens.values()), self.completion_tokens)
+        return Usage(sum(self._prompt_tokens.values()), self.completion_tokens, sum(self._cached_tokens.values()))
 
 
 class ClientGone(Exception):

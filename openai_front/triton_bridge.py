@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from openai_front.errors import ApiError, from_triton
 
-BASE_OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
+BASE_OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "num_cached_tokens")
 # How long the model's config.pbtxt parameters are reused: every request reads one, and a config
 # changes only when Triton reloads the model.
 CONFIG_TTL_SECONDS = 5.0
@@ -41,6 +41,7 @@ class Piece:
     finish_reason: str | None  # "stop" / "length" / "abort" on the sample's last piece, else None
     logprobs: list[dict] = field(default_factory=list)  # per token: {"<id>": {"logprob", "rank", "decoded_token"}}
     kv_transfer_params: dict | None = None  # a prefill engine's final answer: where to pull the prompt's KV
+    num_cached_tokens: int | None = None  # of the prompt, found in a cache rather than computed (with num_input_tokens)
 
 
 def _tensor(name: str, array: np.ndarray) -> InferInput:
@@ -83,11 +84,13 @@ def _pieces(result) -> list[Piece]:
     reasons = [r.decode() if isinstance(r, bytes) else r for r in values("finish_reason", b"None")]
     counts = values("num_output_tokens", 0)
     inputs = values("num_input_tokens", None)
+    cached = values("num_cached_tokens", None)
     indexes = values("sequence_index", 0)
     logprobs = [json.loads(t) if t else [] for t in values("logprobs", b"[]")]
     transfers = [json.loads(t) if t else None for t in values("kv_transfer_params", b"")]
     return [Piece(int(indexes[i]), texts[i], int(counts[i]), None if inputs[0] is None else int(inputs[0]),
-                  None if reasons[i] in ("None", "") else reasons[i], logprobs[i] or [], transfers[i])
+                  None if reasons[i] in ("None", "") else reasons[i], logprobs[i] or [], transfers[i],
+                  None if cached[0] is None else int(cached[0]))
             for i in range(column)]
 
 

@@ -90,9 +90,9 @@ def send_error(pb, sender, message: str, code=None) -> None:
 
 def build_response(pb, text: str, token_ids: list[int], finish_reason: str = "",
                    num_input_tokens: int | None = None, num_output_tokens: int | None = None, extra=(),
-                   requested: frozenset[str] | None = None):
-    """One `llm` response: text_output, output_ids, finish_reason; the token counts when given;
-    then ``extra``. ``requested``: the outputs the client asked for (None: all); the others are
+                   requested: frozenset[str] | None = None, num_cached_tokens: int | None = None):
+    """One `llm` response: text_output, output_ids, finish_reason; the token counts when given
+    (``num_cached_tokens``: the prompt's tokens whose KV was found, not computed); then ``extra``. ``requested``: the outputs the client asked for (None: all); the others are
     not built (Triton would drop them before the response leaves the stub anyway)."""
 
     def wanted(name: str) -> bool:
@@ -109,6 +109,8 @@ def build_response(pb, text: str, token_ids: list[int], finish_reason: str = "",
         tensors.append(pb.Tensor("num_input_tokens", np.array([[num_input_tokens]], dtype=np.int32)))
     if num_output_tokens is not None and wanted("num_output_tokens"):
         tensors.append(pb.Tensor("num_output_tokens", np.array([[num_output_tokens]], dtype=np.int32)))
+    if num_cached_tokens is not None and wanted("num_cached_tokens"):
+        tensors.append(pb.Tensor("num_cached_tokens", np.array([[num_cached_tokens]], dtype=np.int32)))
     tensors.extend(extra)
     return pb.InferenceResponse(output_tensors=tensors)
 

@@ -4,7 +4,9 @@ Clients written for that backend (and Triton's OpenAI frontend) ask for them per
 
 - ``return_finish_reason``: ``finish_reason`` on every response, "None" until the last one, then
   vLLM's reason ("stop" for EOS and stop conditions, "length", "abort").
-- ``return_num_input_tokens``: ``num_input_tokens`` on every response.
+- ``return_num_input_tokens``: ``num_input_tokens`` on every response, and with it ``num_cached_tokens``
+  (our output: the prompt tokens whose KV was found in the prefix cache, an offload tier or a
+  prefill engine when the request was first scheduled; 0 before then).
 - ``return_num_output_tokens``: ``num_output_tokens`` on every response: the tokens *of that
   response* (the OpenAI frontend sums them for its usage block).
 - ``return_cumulative_logprob``: ``cumulative_logprob``, the sum of the chosen tokens' logprobs so far.
@@ -22,7 +24,7 @@ masks and temperature; for greedy requests the log-softmax of the penalised logi
 distribution the token was actually drawn from.
 
 Without the flags, responses keep our own schema: finish_reason empty until the final response
-(which names ``eos`` apart from ``stop``), and both counts, as totals, on the final response only.
+(which names ``eos`` apart from ``stop``), and the counts, as totals, on the final response only.
 """
 
 from __future__ import annotations
@@ -130,5 +132,6 @@ def delta_response(pb, state, part, outputs: list[RequestOutput], final: Request
     if state.wants_logprobs:
         tensors.extend(log_prob_tensors(pb, tokenizer, outputs, final, part.cumulative_logprob, returns))
     tensors.extend(extra)
+    num_cached = outputs[-1].num_cached_tokens if num_input is not None else None
     return build_response(pb, text, token_ids, finish_reason_text(returns, final), num_input, num_output, tensors,
-                          state.requested_outputs)
+                          state.requested_outputs, num_cached)

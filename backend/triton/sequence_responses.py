@@ -104,6 +104,7 @@ def flush_samples(state, pb, sender, tokenizer) -> bool:
         pb.Tensor("output_ids", np.array([ids], dtype=np.int32).reshape(1, -1)),
         pb.Tensor("finish_reason", np.array([reasons], dtype=np.object_)),
         pb.Tensor("num_input_tokens", np.array([[state.final.num_prompt_tokens]], dtype=np.int32)),
+        pb.Tensor("num_cached_tokens", np.array([[state.final.num_cached_tokens]], dtype=np.int32)),
         pb.Tensor("num_output_tokens", np.array([counts], dtype=np.int32)),
         pb.Tensor("sequence_index", np.arange(n, dtype=np.int32).reshape(1, n)),
     ]

@@ -213,6 +213,34 @@ def test_n_seed_stop_echo_and_logprobs(sdk):
     assert len(completion.choices[0].logprobs.token_logprobs) == 4
 
 
+def test_logit_bias_that_bans_the_greedy_token_changes_it_for_that_request_only(front, sdk):
+    """OpenAI's logit_bias through the SDK: -100 on the token greedy decoding picks first makes the
+    first token another; the same request without it still picks it."""
+    def first_token(**extra) -> str:
+        return sdk.completions.create(model="llm", prompt="The capital of France is", max_tokens=1, temperature=0,
+                                      **extra).choices[0].text
+
+    greedy = first_token()
+    tokens = httpx.post(f"{front}/tokenize", json={"model": "llm", "prompt": greedy, "add_special_tokens": False},
+                        timeout=60).json()["tokens"]
+    assert len(tokens) == 1, tokens
+    banned = first_token(extra_body={"logit_bias": {str(tokens[0]): -100}})
+    assert banned and banned != greedy
+    assert first_token() == greedy
+
+
+def test_a_repeated_long_prompt_reports_its_cached_tokens(sdk):
+    """usage.prompt_tokens_details.cached_tokens: the second time a long prompt comes, its full
+    blocks are prefix-cache hits, which the `llm` model reports as num_cached_tokens."""
+    prompt = " ".join(f"item {i} of a long list that repeats;" for i in range(60))
+    first = sdk.completions.create(model="llm", prompt=prompt, max_tokens=2, temperature=0)
+    second = sdk.completions.create(model="llm", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > 256
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and cached >= second.usage.prompt_tokens - 64
+    assert first.usage.prompt_tokens_details.cached_tokens < cached
+
+
 def test_json_schema_response_format_parses_and_validates(sdk):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
@@ -225,7 +253,8 @@ def test_json_schema_response_format_parses_and_validates(sdk):
 
 BAD_REQUESTS = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"),  # the front's check
+    ({"logit_bias": {"99999999": 5}}, "logit_bias"),  # the `llm` model's: not in the vocabulary
     ({"best_of": 3}, "best_of"),
     ({"n": 1000}, "n"),
     ({"max_tokens": "ten"}, "max_tokens"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from backend.protocol.outputs import FinishReason, RequestOutput
+from backend.triton.helpers import build_response
 from backend.triton.inputs import ReturnOptions
 from backend.triton.return_outputs import finish_reason_text, logprob_entries, token_counts
 
@@ -43,3 +44,22 @@ def test_logprob_entries_hold_the_chosen_token_and_its_alternatives_once_each():
         {"5": {"logprob": -0.1, "rank": 1, "decoded_token": "<5>"}, "9": {"logprob": -2.5, "rank": 2, "decoded_token": "<9>"}},
         {"4": {"logprob": -3.0, "rank": 2, "decoded_token": "<4>"}, "8": {"logprob": -0.2, "rank": 1, "decoded_token": "<8>"}},
     ]
+
+
+class FakePb:
+    class Tensor:
+        def __init__(self, name, array):
+            self.name, self.array = name, array
+
+    class InferenceResponse:
+        def __init__(self, output_tensors):
+            self.tensors = {t.name: t.array for t in output_tensors}
+
+
+def test_num_cached_tokens_travels_with_num_input_tokens_and_only_when_asked_for():
+    response = build_response(FakePb, "x", [7], "", 11, 3, num_cached_tokens=8)
+    assert response.tensors["num_input_tokens"].tolist() == [[11]]
+    assert response.tensors["num_cached_tokens"].tolist() == [[8]]
+    assert "num_cached_tokens" not in build_response(FakePb, "x", [7]).tensors
+    unasked = build_response(FakePb, "x", [7], "", 11, 3, requested=frozenset({"text_output"}), num_cached_tokens=8)
+    assert set(unasked.tensors) == {"text_output"}
