@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The `llm` model's input names, as the fields of an OpenAI request.
-TRITON_TO_OPENAI_FIELDS = {"text_input": "prompt", "messages": "messages", "sampling_parameters": None,
+TRITON_TO_OPENAI_FIELDS = {"text_input": "prompt", "input_ids": "prompt", "messages": "messages", "sampling_parameters": None,
                            "max_tokens": "max_tokens", "stop_words": "stop"}
 UNAVAILABLE_MARKERS = ("server busy", "the model is being unloaded", "not ready", "unavailable",
                        "is shutting down", "draining")

@@ -60,7 +60,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     n: int
-    prompts: list[str] = field(default_factory=list)  # completions: one generation per prompt (x n)
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: text or token ids, one generation each (x n)
     messages: list | None = None  # chat
     echo: bool = False
     logprobs: int | None = None  # top tokens per position to return (0: the chosen one only); None: none
@@ -228,6 +228,12 @@ def _common(body, chat: bool, limits: Limits, served_models: tuple[str, ...]) ->
                              user=user or "")
 
 
+def _token_ids(value) -> bool:
+    """A non-empty list of token ids (whether each is the model's is the `llm` model's check)."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value)
+
+
 def _logit_bias(body: dict) -> dict[str, float] | None:
     """OpenAI's logit_bias: token id (as a string, JSON's keys) -> a bias in [-100, 100]. Whether
     each id is in the model's vocabulary is the `llm` model's check."""
@@ -292,10 +298,13 @@ def parse_completion(body, limits: Limits, served_models: tuple[str, ...]) -> Ge
         request.prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         request.prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        raise bad_request("prompt", "prompt: token-id prompts are not supported; send the text")
+    elif _token_ids(prompt):
+        request.prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(_token_ids(p) for p in prompt):
+        request.prompts = [list(p) for p in prompt]
     else:
-        raise bad_request("prompt", "prompt: required, a string or a non-empty list of strings")
+        raise bad_request("prompt", "prompt: required, a string, a list of strings, a list of token ids or a list "
+                                    "of such lists (none empty)")
     if len(request.prompts) > MAX_PROMPTS:
         raise bad_request("prompt", f"prompt: at most {MAX_PROMPTS} prompts, got {len(request.prompts)}")
     if len(request.prompts) * request.n > MAX_PROMPTS:

@@ -54,10 +54,16 @@ def _text(value: str) -> np.ndarray:
     return np.array([[value.encode("utf-8")]], dtype=np.object_)
 
 
-def generation_inputs(prompt: str | None, messages: list | None, sampling: dict, echo: bool,
+def generation_inputs(prompt: str | list[int] | None, messages: list | None, sampling: dict, echo: bool,
                       logprobs: bool) -> list[InferInput]:
-    inputs = [_tensor("text_input", _text(prompt)) if messages is None else
-              _tensor("messages", _text(json.dumps(messages)))]
+    """The `llm` inputs of one generation: the prompt as text_input, its token ids as input_ids, or
+    the chat as messages; streamed, with vLLM's return_* counts."""
+    if messages is not None:
+        inputs = [_tensor("messages", _text(json.dumps(messages)))]
+    elif isinstance(prompt, list):
+        inputs = [_tensor("input_ids", np.array([prompt], dtype=np.int32))]
+    else:
+        inputs = [_tensor("text_input", _text(prompt))]
     inputs += [_tensor("stream", np.array([[True]])), _tensor("exclude_input_in_output", np.array([[not echo]])),
                _tensor("sampling_parameters", _text(json.dumps(sampling)))]
     for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
@@ -162,7 +168,7 @@ class TritonBridge:
             self._adapters_read_at = time.monotonic()
         return self._adapters
 
-    async def generate(self, prompt: str | None, messages: list | None, sampling: dict, echo: bool = False,
+    async def generate(self, prompt: str | list[int] | None, messages: list | None, sampling: dict, echo: bool = False,
                        logprobs: bool = False, request_id: str = "") -> AsyncIterator[Piece]:
         """The pieces of one generation as Triton sends them; ApiError when Triton refuses it.
         Closing the iterator before the end cancels the request in Triton."""

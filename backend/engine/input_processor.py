@@ -65,6 +65,12 @@ class InputProcessor:
         if params.max_tokens is None:
             params.max_tokens = self.default_max_tokens
 
+    def check_prompt_token_ids(self, token_ids: list[int]) -> None:
+        """A prompt sent as token ids (the `llm` model's input_ids): every id is one of the model's."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise EngineInputError(f"input_ids: {bad} is not a token id of this model (ids are in [0, {self.vocab_size}))")
+
     def check_sampling_params(self, params: SamplingParams) -> None:
         """The one check of a request's sampling parameters; raises EngineInputError naming the field.
 

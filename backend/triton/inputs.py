@@ -46,7 +46,7 @@ class ReturnOptions:
 
 @dataclass(slots=True)
 class ParsedRequest:
-    prompt: str | None  # None when the request sent messages instead
+    prompt: str | None  # None when the request sent messages or input_ids instead
     sampling_params: SamplingParams
     stream: bool
     exclude_input_in_output: bool
@@ -54,6 +54,7 @@ class ParsedRequest:
     returns: ReturnOptions = ReturnOptions()
     stream_interval: int | None = None  # sampling_parameters.stream_interval (None: the model's default)
     lora_task_id: int | None = None  # TensorRT-LLM's lora_task_id input: an adapter by its id
+    prompt_token_ids: list[int] | None = None  # the input_ids input: a prompt already tokenized
 
 
 # Keys accepted in the `sampling_parameters` JSON object: vLLM's names, which are SamplingParams fields.
@@ -75,6 +76,7 @@ RETURN_INPUTS = ("return_finish_reason", "return_cumulative_logprob", "return_lo
                  "return_num_input_tokens", "return_num_output_tokens")
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_CHAT_MESSAGES = 1024
+MAX_INPUT_IDS = 1 << 20  # ids in one input_ids tensor (the model's max_model_len bounds a prompt well before)
 
 GetInput = Callable[[str], "np.ndarray | None"]
 
@@ -189,7 +191,8 @@ def parse_request(
 
 def _parse_request(get_input: GetInput, check: Callable[[SamplingParams], None],
                    max_prompt_bytes: int | None) -> ParsedRequest:
-    prompt, messages = _prompt_or_messages(get_input, max_prompt_bytes)
+    prompt_token_ids = _input_ids(get_input)
+    prompt, messages = _prompt_or_messages(get_input, max_prompt_bytes, prompt_token_ids is not None)
 
     values: dict[str, object] = {}
     for name, field_name, convert in (
@@ -247,15 +250,36 @@ def _parse_request(get_input: GetInput, check: Callable[[SamplingParams], None],
     except ValueError as exc:  # EngineInputError or SamplingParamsError: the message names the field
         raise InputError(str(exc)) from None
     return ParsedRequest(prompt, params, bool(options["stream"]), bool(options["exclude_input_in_output"]),
-                         messages, returns, options.get("stream_interval"), task_id)
+                         messages, returns, options.get("stream_interval"), task_id, prompt_token_ids)
 
 
-def _prompt_or_messages(get_input: GetInput, max_prompt_bytes: int | None) -> tuple[str | None, list | None]:
-    """Exactly one of text_input (the prompt) and messages (a chat, JSON)."""
+def _input_ids(get_input: GetInput) -> list[int] | None:
+    """The input_ids input (INT32 [-1]): a prompt already tokenized; whether each id is in the
+    vocabulary and the prompt fits the model are the model's checks."""
+    raw = get_input("input_ids")
+    if raw is None:
+        return None
+    ids = np.asarray(raw).reshape(-1)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"input_ids: expected integer token ids, got {ids.dtype}")
+    if ids.size == 0:
+        raise InputError("input_ids: the prompt has no tokens")
+    if ids.size > MAX_INPUT_IDS:
+        raise InputError(f"input_ids: {ids.size} ids; at most {MAX_INPUT_IDS}")
+    return ids.astype(np.int64).tolist()
+
+
+def _prompt_or_messages(get_input: GetInput, max_prompt_bytes: int | None,
+                        has_input_ids: bool = False) -> tuple[str | None, list | None]:
+    """Exactly one of text_input (the prompt), messages (a chat, JSON) and input_ids (read apart)."""
     raw_prompt = scalar(get_input, "text_input")
     raw_messages = scalar(get_input, "messages")
-    if (raw_prompt is None) == (raw_messages is None):
-        raise InputError("text_input, messages: send exactly one of them (a prompt, or chat messages as JSON)")
+    given = (raw_prompt is not None) + (raw_messages is not None) + has_input_ids
+    if given != 1:
+        raise InputError("text_input, messages: send exactly one of them (a prompt, or chat messages as JSON), "
+                         "or the prompt's token ids as input_ids instead")
+    if has_input_ids:
+        return None, None
     name = "text_input" if raw_prompt is not None else "messages"
     raw = raw_prompt if raw_prompt is not None else raw_messages
     if max_prompt_bytes is not None and isinstance(raw, bytes | np.bytes_) and len(raw) > max_prompt_bytes:

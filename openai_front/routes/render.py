@@ -26,7 +26,8 @@ async def render(request: Request, endpoint: str, chat: bool):
                                                             await front.served_models(bridge))
         front.choose_adapter(parsed)
         prompts = ([bridge.render_chat_ids(parsed.messages)] if chat else
-                   [bridge.tokenize(prompt) for prompt in parsed.prompts])
+                   [bridge.tokenize(prompt) if isinstance(prompt, str) else _already(prompt)
+                    for prompt in parsed.prompts])
         default_max_tokens, *prompt_ids = await asyncio.gather(bridge.default_max_tokens(), *prompts)
         request_ids = [new_id(chat)] if chat else completion_request_ids(new_id(chat), len(prompt_ids))
         answers = [generate_request(request_id, ids, parsed, default_max_tokens)
@@ -38,3 +39,8 @@ async def render(request: Request, endpoint: str, chat: bool):
 
 
 router = completions_routes(render, "/render")
+
+
+async def _already(token_ids: list[int]) -> list[int]:
+    """A token-id prompt, awaited beside the text prompts' tokenizations."""
+    return token_ids

@@ -241,6 +241,22 @@ def test_a_repeated_long_prompt_reports_its_cached_tokens(sdk):
     assert first.usage.prompt_tokens_details.cached_tokens < cached
 
 
+def test_a_token_id_prompt_generates_what_its_text_does(front, sdk):
+    """prompt as token ids (the `llm` model's input_ids): the same greedy text as the text prompt,
+    a list of such lists is one choice each, and an id outside the vocabulary is a 400 naming prompt."""
+    text = "The capital of France is"
+    ids = httpx.post(f"{front}/tokenize", json={"model": "llm", "prompt": text}, timeout=60).json()["tokens"]
+    by_text = sdk.completions.create(model="llm", prompt=text, max_tokens=8, temperature=0)
+    by_ids = sdk.completions.create(model="llm", prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == len(ids)
+    two = sdk.completions.create(model="llm", prompt=[ids, ids[:3]], max_tokens=2, temperature=0)
+    assert sorted(choice.index for choice in two.choices) == [0, 1]
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.completions.create(model="llm", prompt=[99999999], max_tokens=2)
+    assert refused.value.body["param"] == "prompt" and "input_ids" in refused.value.body["message"]
+
+
 def test_json_schema_response_format_parses_and_validates(sdk):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}

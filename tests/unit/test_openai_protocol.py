@@ -63,7 +63,8 @@ def test_completion_prompts_echo_and_logprobs():
     request = parse_completion({"model": "llm", "prompt": ["a", "b"], "n": 2, "echo": True, "logprobs": 2,
                                 "best_of": 2}, Limits(), SERVED)
     assert request.prompts == ["a", "b"] and request.echo and request.logprobs == 2 and request.n == 2
-    for bad, param in (({"prompt": [1, 2]}, "prompt"), ({"prompt": None}, "prompt"), ({"suffix": "x"}, "suffix"),
+    for bad, param in (({"prompt": [1, "a"]}, "prompt"), ({"prompt": [[1], []]}, "prompt"), ({"prompt": [-1]}, "prompt"),
+                       ({"prompt": None}, "prompt"), ({"suffix": "x"}, "suffix"),
                        ({"prompt": ["a"] * 65}, "prompt"), ({"prompt": ["a"] * 40, "n": 2}, "n")):
         with pytest.raises(ApiError) as refused:
             parse_completion({"model": "llm", "prompt": "x", **bad}, Limits(), SERVED)
@@ -123,3 +124,8 @@ def test_kv_transfer_params_pass_through_and_come_back_at_the_top_of_the_answer(
 def test_logit_bias_goes_to_the_llm_model_as_its_sampling_parameter():
     assert chat(logit_bias={"3": 5, "17": -100}).sampling["logit_bias"] == {"3": 5.0, "17": -100.0}
     assert "logit_bias" not in chat(logit_bias={}).sampling
+
+
+def test_completion_prompts_may_be_token_ids_or_lists_of_them():
+    assert parse_completion({"model": "llm", "prompt": [1, 2, 3]}, Limits(), SERVED).prompts == [[1, 2, 3]]
+    assert parse_completion({"model": "llm", "prompt": [[4], [5, 6]]}, Limits(), SERVED).prompts == [[4], [5, 6]]

@@ -269,3 +269,18 @@ def test_logit_bias_key_maps_token_ids_to_biases():
     params = parse(text_input="x", sampling_parameters=json.dumps({"logit_bias": {"7": -100, "42": 2.5}})).sampling_params
     assert params.logit_bias == {7: -100.0, 42: 2.5}
     assert parse(text_input="x").sampling_params.logit_bias == {}
+
+
+def test_input_ids_are_a_prompt_already_tokenized_and_exclude_the_other_prompts():
+    def ids_request(ids, **values):
+        arrays = {name: np.array([[value.encode() if isinstance(value, str) else value]], dtype=np.object_)
+                  for name, value in values.items()}
+        arrays["input_ids"] = np.array([ids])
+        return parse_request(lambda name: arrays.get(name), check=CHECK)
+
+    parsed = ids_request(np.array([5, 6, 7], dtype=np.int32))
+    assert parsed.prompt_token_ids == [5, 6, 7] and parsed.prompt is None and parsed.messages is None
+    for bad, message in ((np.array([5], dtype=np.int32), {"text_input": "x"}),
+                         (np.array([], dtype=np.int32), {}), (np.array([1.5], dtype=np.float32), {})):
+        with pytest.raises(InputError, match="input_ids"):  # named in either message
+            ids_request(bad, **message)
