@@ -23,6 +23,7 @@ GLUE_PARAMETER_NAMES = frozenset({
     "shutdown_grace_seconds", "triton_http_url", "engine_process", "engine_heartbeat_timeout_seconds",
     "on_stub_death", "stream_interval", "response_coalescing",
     "client_priority_range", "client_priority_clamp",
+    "reasoning_parser",  # the OpenAI front's (openai_front/reasoning.py), read over gRPC
 })
 
 # No tokenizer we know packs more than this many UTF-8 bytes into an average token of real text.

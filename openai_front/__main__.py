@@ -15,6 +15,7 @@ import uvicorn
 from openai_front.app import FrontSettings, create_app
 from openai_front.auth import ApiKeys
 from openai_front.protocol import Limits
+from openai_front.reasoning import PARSERS
 
 DEFAULT_PORT = 9000  # the port of Triton's own OpenAI-compatible frontend
 API_KEY_ENV = "OPENAI_FRONT_API_KEY"  # keys here stay off the command line (and out of ps)
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", action="append", default=None, metavar="[NAME=]KEY",
                         help="require Authorization: Bearer KEY (repeat for several keys; default: the "
                              f"{API_KEY_ENV} environment variable, comma-separated; none: no key needed)")
+    parser.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                        help="split chat answers' <think> reasoning from their content (default: the model's "
+                             "reasoning_parser parameter; none: no split)")
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     settings = FrontSettings(args.triton_url, args.model, Limits(args.max_n, args.max_tokens), args.max_concurrent,
-                             args.max_body_bytes, args.idle_timeout, args.max_streams_per_client, api_keys)
+                             args.max_body_bytes, args.idle_timeout, args.max_streams_per_client, api_keys,
+                             args.reasoning_parser)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_keep_alive=args.keep_alive_timeout, access_log=False)
     return 0

@@ -26,7 +26,7 @@ IGNORED_FIELDS = ("metadata", "store", "service_tier", "parallel_tool_calls", "s
                   "request_id")
 COMMON_FIELDS = frozenset({"model", "stream", "max_tokens", "n", "stop", "best_of", "logit_bias", "response_format",
                            "user", "kv_transfer_params", *SAMPLING_FIELDS, *STRUCTURED_FIELDS, *IGNORED_FIELDS})
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "include_reasoning",
                                "tool_choice", "functions", "function_call", "modalities", "audio",
                                "prediction", "reasoning_effort", "web_search_options", "add_generation_prompt"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
@@ -67,6 +67,8 @@ class GenerationRequest:
     sampling: dict = field(default_factory=dict)  # the `llm` model's sampling_parameters (vLLM's names)
     stream_options: dict | None = None  # as sent (only with stream true)
     user: str = ""  # OpenAI's user field: the client's identity for per-client limits when no API key names one
+    include_reasoning: bool = True  # chat, with a reasoning parser: false leaves the reasoning out of the answer
+    reasoning_parser: str | None = None  # chat: the front's or the model's (openai_front/reasoning.py)
 
 
 def _check_type(name: str, value, kinds: tuple[type, ...], label: str):
@@ -288,6 +290,7 @@ def parse_chat(body, limits: Limits, served_models: tuple[str, ...]) -> Generati
         raise bad_request("top_logprobs", "top_logprobs: only with logprobs true")
     if request.logprobs is not None:
         request.sampling["logprobs"] = request.logprobs
+    request.include_reasoning = _bool(body, "include_reasoning") is not False
     return request
 
 

@@ -15,7 +15,25 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from openai_front.reasoning import ReasoningSplitter, split
+
 SYSTEM_FINGERPRINT = "triton-llm-serving"
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """How a chat answer's reasoning is split off (openai_front/reasoning.py) and whether it is sent:
+    as ``reasoning`` and ``reasoning_content`` (the older name vLLM also sends) beside ``content``."""
+
+    parser: str | None = None  # None: no split, the whole text is content
+    include: bool = True  # the request's include_reasoning
+
+    @classmethod
+    def of(cls, parsed) -> Reasoning:
+        return cls(parsed.reasoning_parser if parsed.chat else None, parsed.include_reasoning)
+
+    def fields(self, reasoning: str | None) -> dict:
+        return {"reasoning": reasoning, "reasoning_content": reasoning} if self.include else {}
 
 
 @dataclass(slots=True)
@@ -81,7 +99,8 @@ def _header(request_id: str, chat: bool, model: str, created: int, chunk: bool) 
 
 
 def full_response(request_id: str, chat: bool, model: str, choices: list[Choice], usage: Usage,
-                  top_logprobs: int | None, kv_transfer_params: dict | None = None) -> dict:
+                  top_logprobs: int | None, kv_transfer_params: dict | None = None,
+                  reasoning: Reasoning = Reasoning()) -> dict:
     """``kv_transfer_params``: a prefill engine's answer, at the top level where vLLM puts it (and
     vllm-router's disaggregated mode reads it for the decode leg)."""
     body = _header(request_id, chat, model, int(time.time()), False)
@@ -92,7 +111,7 @@ def full_response(request_id: str, chat: bool, model: str, choices: list[Choice]
             logprobs = chat_logprobs(choice.logprobs, top_logprobs) if chat else completion_logprobs(
                 choice.logprobs, top_logprobs)
         if chat:
-            rendered.append({"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+            rendered.append({"index": choice.index, "message": _message(choice.text, reasoning),
                              "logprobs": logprobs, "finish_reason": choice.finish_reason})
         else:
             rendered.append({"index": choice.index, "text": choice.text, "logprobs": logprobs,
@@ -104,12 +123,23 @@ def full_response(request_id: str, chat: bool, model: str, choices: list[Choice]
     return body
 
 
+def _message(text: str, reasoning: Reasoning) -> dict:
+    """A chat answer's message; with a reasoning parser, its reasoning apart (None when it had none)."""
+    if reasoning.parser is None:
+        return {"role": "assistant", "content": text}
+    thought, content = split(reasoning.parser, text)
+    return {"role": "assistant", "content": content, **reasoning.fields(thought or None)}
+
+
 class ChunkWriter:
     """The SSE lines of one streamed answer."""
 
-    def __init__(self, request_id: str, chat: bool, model: str, top_logprobs: int | None):
+    def __init__(self, request_id: str, chat: bool, model: str, top_logprobs: int | None,
+                 reasoning: Reasoning = Reasoning()):
         self.request_id, self.chat, self.model = request_id, chat, model
         self.top_logprobs = top_logprobs
+        self.reasoning = reasoning
+        self._splitters: dict[int, ReasoningSplitter] = {}  # per choice, with a reasoning parser
         self.created = int(time.time())
         self._started: set[int] = set()
         self._offsets: dict[int, int] = {}
@@ -140,9 +170,20 @@ class ChunkWriter:
             self._started.add(index)
             lines += self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}])
-        delta = {"content": text} if text or finish_reason is None else {}
-        return lines + self._chunk([{"index": index, "delta": delta, "logprobs": logprobs,
-                                     "finish_reason": finish_reason}])
+        return lines + self._chunk([{"index": index, "delta": self._chat_delta(index, text, finish_reason),
+                                     "logprobs": logprobs, "finish_reason": finish_reason}])
+
+    def _chat_delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+        """The delta of a chat chunk: content, or with a reasoning parser the reasoning and the
+        content this text adds (a piece that may still be part of a tag waits for the next)."""
+        if self.reasoning.parser is None:
+            return {"content": text} if text or finish_reason is None else {}
+        splitter = self._splitters.setdefault(index, ReasoningSplitter(self.reasoning.parser))
+        thought, content = splitter.feed(text, final=finish_reason is not None)
+        delta = self.reasoning.fields(thought) if thought else {}
+        if content or (finish_reason is None and not delta):
+            delta["content"] = content
+        return delta
 
     def usage(self, usage: Usage) -> str:
         return self._chunk([], usage.body())

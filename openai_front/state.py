@@ -28,6 +28,7 @@ class FrontSettings:
     idle_timeout_s: float = 300.0  # longest silence from Triton inside one generation
     max_streams_per_client: int = 0  # one client's generations in flight; beyond, 429; 0: no cap
     api_keys: ApiKeys = ApiKeys()  # none: no key needed
+    reasoning_parser: str | None = None  # openai_front/reasoning.py; None: the model's parameter, if any
 
 
 @dataclass

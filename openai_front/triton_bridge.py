@@ -129,6 +129,10 @@ class TritonBridge:
         gets (None when it does not say)."""
         return await self._int_parameter("default_max_tokens")
 
+    async def reasoning_parser(self) -> str | None:
+        """config.pbtxt's reasoning_parser of the model (a front parameter the backend ignores)."""
+        return (await self._parameter("reasoning_parser") or "").strip() or None
+
     async def _int_parameter(self, name: str) -> int | None:
         """A config.pbtxt parameter of the model as an integer (None when absent or unreadable)."""
         value = await self._parameter(name)

@@ -13,8 +13,9 @@ from openai_front.errors import ApiError
 from openai_front.generation import CleanupStreamingResponse, ClientGone, Generation, Tally, merged
 from openai_front.orphan_watch import OrphanWatch
 from openai_front.protocol import GenerationRequest, parse_chat, parse_completion
+from openai_front.reasoning import PARSERS
 from openai_front.render import without_router_fields
-from openai_front.responses import Choice, ChunkWriter, full_response, new_id
+from openai_front.responses import Choice, ChunkWriter, Reasoning, full_response, new_id
 from openai_front.routes import completions_routes
 from openai_front.state import FrontState, bridge_of, client_of, front_of, with_chat_param
 from openai_front.triton_bridge import Piece, TritonBridge
@@ -38,8 +39,19 @@ async def admit(request: Request, front: FrontState, chat: bool) -> tuple[Genera
     client = client_of(request, parsed)
     if client:
         parsed.sampling["user"] = client  # the `llm` model's per-client cap counts it too
+    if chat:
+        parsed.reasoning_parser = front.settings.reasoning_parser or await reasoning_parser_of(bridge_of(request))
     front.slots.take(client)
     return parsed, client
+
+
+async def reasoning_parser_of(bridge: TritonBridge) -> str | None:
+    """The model's reasoning_parser parameter; a name we do not know is the deployment's error."""
+    name = await bridge.reasoning_parser()
+    if name is not None and name not in PARSERS:
+        raise ApiError(500, f"the model's parameter reasoning_parser: one of {', '.join(PARSERS)}, got {name!r}",
+                       None, "internal_error", "internal_error")
+    return name
 
 
 async def generate(request: Request, endpoint: str, chat: bool):
@@ -98,12 +110,13 @@ async def gather(front, parsed, request_id, generation, first, request, endpoint
     front.metrics.requests.labels(endpoint, "200").inc()
     front.metrics.latency.labels(endpoint).observe(time.monotonic() - arrived)
     return JSONResponse(full_response(request_id, parsed.chat, parsed.model, list(tally.choices.values()),
-                                      tally.usage(), parsed.logprobs, tally.kv_transfer_params))
+                                      tally.usage(), parsed.logprobs, tally.kv_transfer_params,
+                                      Reasoning.of(parsed)))
 
 
 async def stream(front, parsed, request_id, generation, first, endpoint, arrived):
     """The answer as server-sent events: a chunk per delta, the usage when asked, then [DONE]."""
-    writer = ChunkWriter(request_id, parsed.chat, parsed.model, parsed.logprobs)
+    writer = ChunkWriter(request_id, parsed.chat, parsed.model, parsed.logprobs, Reasoning.of(parsed))
     tally = Tally(parsed.n, keep_choices=False)  # the chunks carry the text: only usage adds up
     status = "200"
     try:

@@ -257,6 +257,53 @@ def test_a_token_id_prompt_generates_what_its_text_does(front, sdk):
     assert refused.value.body["param"] == "prompt" and "input_ids" in refused.value.body["message"]
 
 
+@pytest.fixture(scope="module")
+def thinking_sdk(served):
+    """A second front on the same tritonserver, run as a reasoning model's would be (--reasoning-parser qwen3)."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "openai_front", "--triton-url", served.grpc_url, "--port",
+                                str(port), "--reasoning-parser", "qwen3"], stdout=subprocess.DEVNULL,
+                               start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "the second front did not start"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(30)
+
+
+THINKING = r"<think>[a-z ]{3,30}</think>[A-Z][a-z]{2,12}\."  # a <think> section any model can be made to write
+
+
+def test_a_reasoning_parser_splits_a_think_section_from_the_content_whole_and_streamed(thinking_sdk):
+    import re
+
+    request = {"model": "llm", "messages": MESSAGES, "max_tokens": 60, "temperature": 0,
+               "extra_body": {"structured_outputs": {"regex": THINKING}}}
+    message = thinking_sdk.chat.completions.create(**request).choices[0].message
+    reasoning = message.model_extra["reasoning"]
+    assert re.fullmatch(r"[a-z ]{3,30}", reasoning) and message.model_extra["reasoning_content"] == reasoning
+    assert re.fullmatch(r"[A-Z][a-z]{2,12}\.", message.content)
+    streamed_reasoning = streamed_content = ""
+    for chunk in thinking_sdk.chat.completions.create(stream=True, **request):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            streamed_reasoning += (delta.model_extra or {}).get("reasoning") or ""
+            streamed_content += delta.content or ""
+    assert (streamed_reasoning, streamed_content) == (reasoning, message.content)
+    hidden = thinking_sdk.chat.completions.create(**{**request, "extra_body": {
+        "structured_outputs": {"regex": THINKING}, "include_reasoning": False}}).choices[0].message
+    assert hidden.content == message.content and "reasoning" not in (hidden.model_extra or {})
+
+
 def test_json_schema_response_format_parses_and_validates(sdk):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
