@@ -32,6 +32,7 @@ class StreamResult:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     num_input_tokens: int | None = None
+    num_cached_tokens: int | None = None  # of the prompt, found in a cache (sent with num_input_tokens)
     num_output_tokens: int | None = None
     error: str | None = None
     num_responses: int = 0  # responses that carried data
@@ -101,6 +102,8 @@ def build_inputs(prompt: str | None, **options) -> list[grpcclient.InferInput]:
         elif name == "sampling_parameters":
             text = value if isinstance(value, str) else json.dumps(value)
             arrays[name] = np.array([[text.encode("utf-8")]], dtype=np.object_)
+        elif name == "input_ids":  # a prompt already tokenized (send prompt None)
+            arrays[name] = np.array([list(value)], dtype=np.int32)
         elif name == "text_input_bytes":  # raw bytes, e.g. to send invalid UTF-8 on purpose
             arrays["text_input"] = np.array([[value]], dtype=np.object_)
         elif name in kinds:
@@ -165,6 +168,8 @@ def read_response(result: StreamResult, response, now: float) -> None:
         result.prompt_logprobs = outputs["prompt_logprobs"].tolist()
     if "num_input_tokens" in outputs:
         result.num_input_tokens = int(outputs["num_input_tokens"][0])
+    if "num_cached_tokens" in outputs:
+        result.num_cached_tokens = int(outputs["num_cached_tokens"][0])
     if "num_output_tokens" in outputs:
         count = int(outputs["num_output_tokens"][0])
         if "output_ids" in outputs:

@@ -4,9 +4,9 @@ Clients written for that backend (and Triton's OpenAI frontend) ask for them per
 
 - ``return_finish_reason``: ``finish_reason`` on every response, "None" until the last one, then
   vLLM's reason ("stop" for EOS and stop conditions, "length", "abort").
-- ``return_num_input_tokens``: ``num_input_tokens`` on every response, and with it ``num_cached_tokens``
-  (our output: the prompt tokens whose KV was found in the prefix cache, an offload tier or a
-  prefill engine when the request was first scheduled; 0 before then).
+- ``return_num_input_tokens``: ``num_input_tokens`` on every response. ``num_cached_tokens`` (our
+  output: the prompt tokens whose KV was found in the prefix cache, an offload tier or a prefill
+  engine when the request was first scheduled; 0 before then) goes wherever ``num_input_tokens`` does.
 - ``return_num_output_tokens``: ``num_output_tokens`` on every response: the tokens *of that
   response* (the OpenAI frontend sums them for its usage block).
 - ``return_cumulative_logprob``: ``cumulative_logprob``, the sum of the chosen tokens' logprobs so far.

@@ -199,6 +199,27 @@ def test_bad_input_gets_an_error_naming_the_field_and_the_server_keeps_serving(t
     assert good.error is None and len(good.token_ids) == 3
 
 
+def test_input_ids_are_a_prompt_already_tokenized_and_a_repeat_reports_its_cached_tokens(triton_server,
+                                                                                       demo_model_dir):
+    """input_ids give the tokens their text gives; an id outside the vocabulary, or ids beside a
+    text_input, are refused naming input_ids; the same long prompt again is found in the prefix cache."""
+    from backend.engine.tokenizer import load_tokenizer
+
+    text = "Return the number of items " * 8
+    ids = load_tokenizer(str(demo_model_dir))(text)["input_ids"]
+    with StreamingClient(triton_server.grpc_url) as client:
+        by_text = client.generate(text, max_tokens=12, ignore_eos=True)
+        by_ids = client.generate(None, input_ids=ids, max_tokens=12, ignore_eos=True, return_num_input_tokens=True)
+        again = client.generate(None, input_ids=ids, max_tokens=2, return_num_input_tokens=True)
+        bad = client.generate(None, input_ids=[10**8], max_tokens=2)
+        both = client.generate("x", input_ids=ids, max_tokens=2)
+    assert by_text.error is None and by_ids.error is None and by_ids.token_ids == by_text.token_ids
+    assert by_ids.num_input_tokens == again.num_input_tokens == len(ids)
+    assert again.num_cached_tokens >= len(ids) - 17  # every full block but the one holding the last token
+    assert bad.error is not None and bad.error.startswith("input_ids: 100000000 is not a token id")
+    assert both.error is not None and "input_ids" in both.error
+
+
 def test_missing_text_input_and_overlong_prompt_name_text_input(triton_server):
     import numpy as np
     import tritonclient.grpc as grpcclient
