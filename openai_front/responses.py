@@ -30,7 +30,7 @@ class Reasoning:
 
     @classmethod
     def of(cls, parsed) -> Reasoning:
-        return cls(parsed.reasoning_parser if parsed.chat else None, parsed.include_reasoning)
+        return cls(parsed.reasoning_parser, parsed.include_reasoning)  # completions have no parser
 
     def fields(self, reasoning: str | None) -> dict:
         return {"reasoning": reasoning, "reasoning_content": reasoning} if self.include else {}

@@ -65,11 +65,11 @@ class InputProcessor:
         if params.max_tokens is None:
             params.max_tokens = self.default_max_tokens
 
-    def check_prompt_token_ids(self, token_ids: list[int]) -> None:
-        """A prompt sent as token ids (the `llm` model's input_ids): every id is one of the model's."""
+    def check_token_ids(self, name: str, token_ids) -> None:
+        """Every id of field ``name`` is one of the model's (EngineInputError naming the first that is not)."""
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise EngineInputError(f"input_ids: {bad} is not a token id of this model (ids are in [0, {self.vocab_size}))")
+            raise EngineInputError(f"{name}: {bad} is not a token id of this model (ids are in [0, {self.vocab_size}))")
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         """The one check of a request's sampling parameters; raises EngineInputError naming the field.
@@ -92,16 +92,8 @@ class InputProcessor:
             raise EngineInputError(str(exc)) from None
         if params.lora_name is not None:
             self.resolve_lora(params.lora_name)
-        bad_bias_ids = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
-        if bad_bias_ids:
-            raise EngineInputError(
-                f"logit_bias: {bad_bias_ids[0]} is not a token id of this model (ids are in [0, {self.vocab_size}))"
-            )
-        bad_stop_ids = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop_ids:
-            raise EngineInputError(
-                f"stop_token_ids: {bad_stop_ids[0]} is not a token id of this model (ids are in [0, {self.vocab_size}))"
-            )
+        self.check_token_ids("logit_bias", params.logit_bias)
+        self.check_token_ids("stop_token_ids", params.stop_token_ids)
 
     def resolve_lora(self, name: str | None, task_id: int | None = None) -> str | None:
         """The adapter a request names (``lora_name``, or TensorRT-LLM's ``lora_task_id``), None for the

@@ -71,7 +71,7 @@ class RequestAdmission:
                 prompt, add_special_tokens = self.inputs.render_chat(parsed.messages), False
             prompt_token_ids = parsed.prompt_token_ids
             if prompt_token_ids is not None:  # already tokenized: the text only for echo
-                self.inputs.check_prompt_token_ids(prompt_token_ids)
+                self.inputs.check_token_ids("input_ids", prompt_token_ids)
                 prompt = self.inputs.tokenizer.decode(prompt_token_ids) if not parsed.exclude_input_in_output else ""
         except (InputError, EngineInputError) as exc:
             send_error(pb, sender, str(exc), pb.TritonError.INVALID_ARG)

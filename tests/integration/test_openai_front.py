@@ -23,7 +23,7 @@ import jsonschema
 import openai
 import pytest
 
-from backend.server.launcher import free_port
+from backend.server.launcher import answers_200, free_port
 from client.stream import StreamingClient
 
 pytestmark = pytest.mark.integration
@@ -267,13 +267,9 @@ def thinking_sdk(served):
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while True:
+        while not answers_200(f"{base}/health"):
             assert process.poll() is None and time.monotonic() < deadline, "the second front did not start"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+            time.sleep(0.2)
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
     finally:
         os.killpg(process.pid, signal.SIGTERM)
